@@ -1,0 +1,122 @@
+"""Command line: ``sparsecompile generate --model PATH --method M [method options] --prompt TEXT``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import typing
+
+from .methods import available_methods, method_class
+
+
+def _method_option_types() -> dict[str, type]:
+    """Every option of every registered method, with the type its default has."""
+    options: dict[str, type] = {}
+    for name in available_methods():
+        config = method_class(name).config_class
+        hints = typing.get_type_hints(config)
+        for field in dataclasses.fields(config):
+            hint = hints.get(field.name, str)
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            options.setdefault(field.name, args[0] if args[0] in (int, float, str, bool) else str)
+    return options
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsecompile", description="sparse-first LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with a sparse method and print a KV-memory summary")
+    gen.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    gen.add_argument("--method", default="vanilla", choices=available_methods())
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="file holding the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    engine = gen.add_argument_group("engine options")
+    engine.add_argument("--page-size", type=int, default=16)
+    engine.add_argument("--prefill-chunk-size", type=int, default=2048)
+    engine.add_argument("--compile", type=_parse_bool, default=None, help="compile decode steps (default: on CUDA)")
+    method = gen.add_argument_group("method options (each applies to the methods that define it)")
+    for name, kind in sorted(_method_option_types().items()):
+        method.add_argument(f"--{name.replace('_', '-')}", dest=f"method_{name}", default=None,
+                            type=_parse_bool if kind is bool else kind)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    import sparsecompile
+    from sparsecompile.models.default_model import load_model
+
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            text = handle.read()
+    else:
+        text = args.prompt
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+    options = {k[len("method_"):]: v for k, v in vars(args).items() if k.startswith("method_") and v is not None}
+    engine = {"page_size": args.page_size, "prefill_chunk_size": args.prefill_chunk_size, "show_progress": True}
+    if args.compile is not None:
+        engine["compile"] = args.compile
+    sparsecompile.optimize(model, args.method, **engine, **options)
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    ids = ids.to(model.device)
+    sampling = {"do_sample": args.temperature > 0}
+    if args.temperature > 0:
+        sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
+        torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, **sampling)
+    elapsed = time.perf_counter() - start
+    new = out.sequences[0, ids.shape[1]:]
+    print(tokenizer.decode(new, skip_special_tokens=True))
+    print(f"\n[{ids.shape[1]} prompt tokens, {new.numel()} generated in {elapsed:.2f} s, method {args.method}]",
+          file=sys.stderr)
+    print(sparsecompile.kv_stats(out[_cache_key(out)]).summary(), file=sys.stderr)
+    out[_cache_key(out)].release()
+    return 0
+
+
+def _cache_key(out) -> str:
+    return "cache" if "cache" in out else "past_key_values"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        parser.exit(2, f"sparsecompile: error: {err}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""``sparsecompile::paged_attention``: attention over the slots an AttentionView names.
+
+One op serves prefill chunks (causal by logical position, padding queries carry position -1) and
+decode (one query per sequence). The view names, per ``(sequence, kv_head)``, a list of *entries*:
+with ``block_size == page_size`` an entry is a page id (dense and page-selection views), with
+``block_size == 1`` an entry is a global slot id (token-selection views). Entry ``e`` covers global
+slots ``index[e] * block_size + [0, block_size)``, and ``lengths`` says how many slots are read.
+
+A key slot is visible to a query iff it is inside ``lengths``, holds a token (position >= 0), is
+not in the query's future (``k_pos <= q_pos``) and, with a sliding window ``w > 0``, is inside it
+(``k_pos > q_pos - w``, transformers' convention). A query that sees no key returns zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .library import define_op
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+# Above this many fp32 score elements the reference processes queries in blocks to bound memory.
+_REFERENCE_SCORE_ELEMENTS = 1 << 26
+
+
+def view_slots(index: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand a view's entries to global slot ids.
+
+    Args:
+        index: ``[batch, kv_heads, entries]`` int32 page ids (``block_size = page_size``) or slot ids (1).
+        lengths: ``[batch, kv_heads]`` number of slots read.
+    Returns:
+        ``slots [batch, kv_heads, entries * block_size]`` int64 (0 where invalid) and ``valid`` (bool, same shape).
+    """
+    span = index.shape[-1] * block_size
+    j = torch.arange(span, device=index.device)
+    slots = index.long().repeat_interleave(block_size, dim=-1) * block_size + (j % block_size)
+    valid = j < lengths[..., None].long()
+    return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Read ``pool [num_pages, kv_heads, page_size, *rest]`` at ``slots [batch, kv_heads, n]``.
+
+    Returns ``[batch, kv_heads, n, *rest]``.
+    """
+    page_size = pool.shape[2]
+    head = torch.arange(pool.shape[1], device=slots.device)[None, :, None]
+    return pool[slots // page_size, head, slots % page_size]
+
+
+def visibility(kpos: torch.Tensor, valid: torch.Tensor, q_positions: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """``[batch, kv_heads, queries, slots]`` bool: which slot each query may attend to (see module doc)."""
+    qpos = q_positions[:, None, :, None].long()
+    k = kpos[:, :, None, :].long()
+    mask = (valid & (kpos >= 0))[:, :, None, :] & (k <= qpos)
+    if sliding_window > 0:
+        mask = mask & (k > qpos - sliding_window)
+    return mask
+
+
+def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
+                              index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
+                              block_size: int, scale: float, sliding_window: int) -> torch.Tensor:
+    """Torch reference (gathers the view, then SDPA with a boolean mask).
+
+    Args:
+        query: ``[batch, q_heads, queries, head_dim]``.
+        k_pool, v_pool: ``[num_pages, kv_heads, page_size, head_dim]``; pos_pool ``[num_pages, kv_heads, page_size]``.
+        index, lengths: the view (see :func:`view_slots`).
+        q_positions: ``[batch, queries]`` logical positions (-1 for padding queries).
+    Returns:
+        ``[batch, queries, q_heads, head_dim]`` contiguous, in ``query.dtype``.
+    """
+    batch, q_heads, queries, head_dim = query.shape
+    group = q_heads // k_pool.shape[1]
+    slots, valid = view_slots(index, lengths, block_size)
+    keys = gather_slots(k_pool, slots).to(query.dtype).repeat_interleave(group, dim=1)
+    values = gather_slots(v_pool, slots).to(query.dtype).repeat_interleave(group, dim=1)
+    kpos = gather_slots(pos_pool, slots)
+    out = torch.empty(batch, q_heads, queries, head_dim, dtype=query.dtype, device=query.device)
+    step = max(1, _REFERENCE_SCORE_ELEMENTS // max(1, batch * q_heads * slots.shape[-1]))
+    for start in range(0, queries, step):
+        stop = min(queries, start + step)
+        mask = visibility(kpos, valid, q_positions[:, start:stop], sliding_window).repeat_interleave(group, dim=1)
+        seen = mask.any(-1, keepdim=True)
+        part = F.scaled_dot_product_attention(query[:, :, start:stop], keys, values, attn_mask=mask | ~seen,
+                                              scale=scale)
+        out[:, :, start:stop] = part.masked_fill(~seen, 0.0)
+    return out.transpose(1, 2).contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT,
+                                stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
+                                stride_pb, stride_ob, stride_ot, stride_oh,
+                                scale, window, num_queries,
+                                KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // KV_HEADS
+        h = pid_bh % KV_HEADS
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
+        t = rows // GROUP
+        qh = h * GROUP + rows % GROUP
+        row_ok = t < num_queries
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int64)
+        length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, length, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jmask = j < length
+            entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
+            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
+            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
+            k = tl.load(K + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(V + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32) * scale
+            vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+            if window > 0:
+                vis = vis & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+
+
+def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
+                           index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
+                           block_size: int, scale: float, sliding_window: int) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`paged_attention_reference`."""
+    batch, q_heads, queries, head_dim = query.shape
+    kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
+    group = q_heads // kv_heads
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    if index.stride(2) != 1:
+        index = index.contiguous()
+    q_positions = q_positions.contiguous()
+    out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
+    block_m = 16 if queries * group <= 16 else 64
+    grid = (triton.cdiv(queries * group, block_m), batch * kv_heads)
+    _paged_attention_kernel[grid](
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out,
+        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
+        lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        float(scale), int(sliding_window), queries,
+        KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=32,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def _fake(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    batch, q_heads, queries, head_dim = query.shape
+    return query.new_empty(batch, queries, q_heads, head_dim)
+
+
+paged_attention = define_op(
+    "paged_attention(Tensor query, Tensor k_pool, Tensor v_pool, Tensor pos_pool, Tensor index, Tensor lengths, "
+    "Tensor q_positions, int block_size, float scale, int sliding_window) -> Tensor",
+    cpu=paged_attention_reference,
+    cuda=paged_attention_triton if triton is not None else None,
+    fake=_fake,
+)

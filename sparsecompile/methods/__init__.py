@@ -1,0 +1,13 @@
+"""Sparse methods: one file each (a validated config dataclass plus its SparseMethodRuntime).
+
+Importing this package registers the built-in methods.
+"""
+
+from . import vanilla  # noqa: F401  (registers)
+from .base import LayerContext, MethodConfig, MethodConfigError, SparseMethodRuntime
+from .registry import available_methods, build_runtime, make_config, method_class, register_method
+
+__all__ = [
+    "LayerContext", "MethodConfig", "MethodConfigError", "SparseMethodRuntime", "available_methods",
+    "build_runtime", "make_config", "method_class", "register_method",
+]

@@ -1,0 +1,106 @@
+"""SparseCache: the transformers ``Cache`` that ``generate()`` carries between steps.
+
+It is a handle, not storage: the KV lives in the controller's CacheManager, and the cache only
+records which manager rows hold this batch and how many input columns were processed (HF's notion
+of sequence length, padding included). It is created lazily sized (rows are taken at the first
+forward, after ``generate()`` has expanded the batch) and frees its rows when released or garbage
+collected. Beam search, cropping and batch reordering are refused rather than silently wrong.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _LogicalLayer(CacheLayerMixin):
+    """A per-layer stub so transformers' Cache helpers work; the owner holds the only state."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: SparseCache) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # The patched forward never passes this cache into the model: K/V go to the pool through attention.
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        owner = self._owner()
+        return owner.processed if owner is not None else 0
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+def _release(controller_ref, rows: list[int]) -> None:
+    controller = controller_ref()
+    if controller is not None and rows:
+        controller.release_rows(rows)
+    rows.clear()
+
+
+class SparseCache(Cache):
+    """Handle on one batch's sequences in a patched model's CacheManager."""
+
+    def __init__(self, controller, expected_new_tokens: int = 256) -> None:
+        super().__init__(layers=[])
+        self.layers = [_LogicalLayer(self) for _ in range(controller.layout.num_layers)]
+        self.controller = controller
+        self.rows: list[int] = []
+        self.processed = 0  # input columns seen (padding included), as DynamicCache counts them
+        self.expected_new_tokens = expected_new_tokens
+        self._finalizer = weakref.finalize(self, _release, weakref.ref(controller), self.rows)
+
+    # ---- sequence handling
+    @property
+    def is_allocated(self) -> bool:
+        return bool(self.rows)
+
+    def allocate(self, batch: int, prompt_len: int) -> list[int]:
+        self.controller.reserve(batch, prompt_len, self.expected_new_tokens)
+        self.rows.extend(self.controller.add_sequences(batch))
+        return self.rows
+
+    def release(self) -> None:
+        """Free this batch's pages now (the cache cannot be used afterwards)."""
+        _release(weakref.ref(self.controller), self.rows)
+        self.processed = 0
+
+    # ---- transformers Cache API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.processed
+
+    @property
+    def is_compileable(self) -> bool:  # we compile our own decode step; HF must not compile around us
+        return False
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("beam search is not supported with sparsecompile (use num_beams=1)")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("cropping a sparsecompile cache is not supported (assisted decoding / rollback)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("expanding a sparsecompile cache's batch is not supported")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("selecting from a sparsecompile cache's batch is not supported")
+
+    def reset(self) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"SparseCache(rows={self.rows}, processed={self.processed})"

@@ -1,0 +1,234 @@
+"""Patching an HF causal LM in place: its ``forward`` and ``generate`` go through the SparseController.
+
+The patched ``forward`` turns HF arguments (2D padding mask, position ids, the cache) into the
+controller's terms (valid tokens, logical positions, manager rows), runs prefill chunks eagerly or
+the compiled decode step, and returns a normal ``CausalLMOutputWithPast`` carrying a
+:class:`SparseCache`. The original forward is called with ``use_cache=False``: transformers never
+sees or builds a KV cache; the attention layers reach the pool through the controller.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..runtime.controller import SparseController
+from .attention import CONTROLLER_ATTR
+from .hf_cache import SparseCache
+
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# Arguments the patched forward consumes itself; anything else is passed to the original forward.
+_CONSUMED = {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+             "logits_to_keep", "return_dict", "labels", "output_attentions", "output_hidden_states", "cache_position"}
+
+
+def cache_argument_name(model: nn.Module) -> str:
+    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+class PatchedModel:
+    """Holds what the patched ``forward`` / ``generate`` of one model need."""
+
+    def __init__(self, model: nn.Module, controller: SparseController, max_length: int | None) -> None:
+        self.controller = controller
+        self.max_length = max_length
+        self.orig_forward = model.forward
+        self.orig_generate = model.generate
+        self.cache_name = cache_argument_name(model)
+        self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.orig_forward).parameters
+        self.signature = inspect.signature(self.orig_forward)
+        self.last_cache = None  # weakref target for kv_stats(model)
+
+    # ------------------------------------------------------------------ the inner forward (stable for compile)
+    def inner(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
+              logits_to_keep: int) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"use_cache": False, "return_dict": True}
+        if self.has_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        out = self.orig_forward(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
+        return out.logits
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        bound = self.signature.bind_partial(*args, **kwargs)
+        params = dict(bound.arguments)
+        params.update(params.pop("kwargs", {}) or {})
+        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and v is not None)
+        if extra:
+            raise TypeError(f"sparsecompile's patched forward does not support the argument(s) {extra}")
+        if params.get("labels") is not None:
+            raise ValueError("sparsecompile-patched models are inference-only: labels / loss are not supported")
+        if params.get("output_attentions"):
+            raise ValueError("output_attentions is not available with sparse attention")
+        if params.get("output_hidden_states"):
+            raise ValueError("output_hidden_states is not supported by sparsecompile's patched forward")
+        input_ids, inputs_embeds = params.get("input_ids"), params.get("inputs_embeds")
+        cache = params.get("cache") if params.get("cache") is not None else params.get("past_key_values")
+        if cache is not None and not isinstance(cache, SparseCache):
+            raise TypeError(f"sparsecompile manages the KV cache itself; got a {type(cache).__name__}. Pass no cache "
+                            "(generate() creates a SparseCache) or a SparseCache returned by this model")
+        transient = cache is None
+        if transient:
+            cache = SparseCache(self.controller)
+        ref = input_ids if input_ids is not None else inputs_embeds
+        batch, tokens = ref.shape[0], ref.shape[1]
+        position_ids = params.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(tokens, device=ref.device)[None, :] + cache.processed
+        position_ids = position_ids.expand(batch, tokens)
+        mask = params.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("sparsecompile supports 2D padding masks only; got a "
+                             f"{mask.dim()}D attention mask")
+        valid = mask[:, -tokens:].bool() if mask is not None else torch.ones(batch, tokens, dtype=torch.bool)
+        logits_to_keep = params.get("logits_to_keep") or 0
+        if not isinstance(logits_to_keep, int):
+            raise ValueError("sparsecompile supports an integer logits_to_keep only")
+        max_len = self.max_length
+        if max_len is not None and cache.processed + tokens > max_len:
+            raise ValueError(f"input of {cache.processed + tokens} tokens exceeds the model's maximum length {max_len}")
+        try:
+            with torch.no_grad():
+                logits = self._run(cache, input_ids, inputs_embeds, position_ids, valid, logits_to_keep)
+        except BaseException:
+            if transient:
+                cache.release()
+            raise
+        cache.processed += tokens
+        self.last_cache = cache
+        use_cache = params.get("use_cache")
+        if use_cache is False:
+            cache.release()
+            cache = None
+        out = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        return out if params.get("return_dict", True) is not False else out.to_tuple()
+
+    def _run(self, cache: SparseCache, input_ids, inputs_embeds, position_ids, valid, logits_to_keep) -> torch.Tensor:
+        c = self.controller
+        batch, tokens = position_ids.shape
+        decode = (cache.is_allocated and cache.processed > 0 and tokens == 1 and inputs_embeds is None
+                  and bool(valid.all()))
+        if decode:
+            if batch != len(cache.rows):
+                raise ValueError(f"the cache holds {len(cache.rows)} sequences but the input has {batch}")
+            return c.decode(self.inner, cache.rows, input_ids, position_ids)
+        if not cache.is_allocated:
+            cache.allocate(batch, int(valid.sum(1).max()))
+        elif batch != len(cache.rows):
+            raise ValueError(f"the cache holds {len(cache.rows)} sequences but the input has {batch}")
+        progress = None
+        chunk = c.config.prefill_chunk_size
+        if c.config.show_progress and chunk and tokens > chunk:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=tokens, desc="prefill", unit="tok", leave=False)
+            progress = bar.update
+        try:
+            return c.prefill(self.inner, cache.rows, input_ids, inputs_embeds, position_ids, valid, logits_to_keep,
+                             progress)
+        finally:
+            if progress is not None:
+                bar.close()
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, *args, **kwargs):
+        if kwargs.get("num_beams", 1) not in (None, 1):
+            raise ValueError("beam search is not supported with sparsecompile (use num_beams=1)")
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+            raise ValueError("assisted / speculative decoding is not supported with sparsecompile")
+        cache = next((kwargs[k] for k in (self.cache_name, "past_key_values", "cache") if kwargs.get(k) is not None),
+                     None)
+        if cache is not None and not isinstance(cache, SparseCache):
+            raise TypeError(f"sparsecompile manages the KV cache itself; got a {type(cache).__name__}. Call generate() "
+                            "without a cache, or pass a SparseCache returned by a previous call")
+        created = cache is None
+        if created:
+            cache = SparseCache(self.controller, expected_new_tokens=_expected_new_tokens(kwargs))
+            kwargs[self.cache_name] = cache
+        try:
+            out = self.orig_generate(*args, **kwargs)
+        except BaseException:
+            if created:
+                cache.release()
+            raise
+        if created and not kwargs.get("return_dict_in_generate"):
+            cache.release()
+        return out
+
+
+def _expected_new_tokens(kwargs: dict) -> int:
+    config = kwargs.get("generation_config")
+    new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
+    return int(new) if new else 256
+
+
+def install(model: nn.Module, controller: SparseController, attention: list[nn.Module],
+            max_length: int | None) -> PatchedModel:
+    """Patch ``model`` in place; returns the :class:`PatchedModel` holding the originals."""
+    patched = PatchedModel(model, controller, max_length)
+    for module in attention:
+        module.__dict__[CONTROLLER_ATTR] = controller  # plain attribute: not a submodule, not a buffer
+    model.__dict__["_sparsecompile"] = patched
+
+    @functools.wraps(patched.orig_forward)
+    def forward(*args, **kwargs):
+        return patched.forward(*args, **kwargs)
+
+    @functools.wraps(patched.orig_generate)
+    def generate(*args, **kwargs):
+        return patched.generate(*args, **kwargs)
+
+    model.forward, model.generate = forward, generate
+    return patched
+
+
+def uninstall(model: nn.Module, attention: list[nn.Module]) -> None:
+    patched = model.__dict__.pop("_sparsecompile", None)
+    if patched is None:
+        return
+    for module in attention:
+        module.__dict__.pop(CONTROLLER_ATTR, None)
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("generate", None)
+
+
+class SdpaFallback:
+    """The patch of a model that ignores ``set_attn_implementation``: its forward runs compiled with the
+    SDPA-rewrite backend, so each attention call is ``sparsecompile::dense_attention``; KV stays in HF's cache."""
+
+    def __init__(self, model: nn.Module, use_inductor: bool, cuda_graphs: bool) -> None:
+        from ..passes.sdpa_rewrite import sdpa_rewrite_backend
+
+        self.orig_forward = model.forward
+        self.backend = sdpa_rewrite_backend(use_inductor, cuda_graphs)
+        self.compiled = torch.compile(self.orig_forward, backend=self.backend, dynamic=True)
+        self.controller = None
+
+
+def install_sdpa_fallback(model: nn.Module, use_inductor: bool, cuda_graphs: bool, num_layers: int) -> SdpaFallback:
+    """Patch ``model`` through the SDPA-rewrite fallback and check that every layer's attention became our op."""
+    from ..kernels.dense_attention import CALLS
+    from ..passes.capture import CaptureError
+
+    patch = SdpaFallback(model, use_inductor, cuda_graphs)
+
+    @functools.wraps(patch.orig_forward)
+    def forward(*args, **kwargs):
+        return patch.compiled(*args, **kwargs)
+
+    model.__dict__["_sparsecompile"] = patch
+    model.forward = forward
+    before = CALLS[0]
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device), use_cache=False)
+    if CALLS[0] - before < num_layers:
+        uninstall(model, [])
+        raise CaptureError(f"the SDPA-rewrite fallback reached {CALLS[0] - before} of {num_layers} attention layers; "
+                           "refusing to run silently dense")
+    return patch

@@ -1,0 +1,109 @@
+"""Model introspection and the support registry: what we can serve correctly, and why not otherwise.
+
+We never run a model silently dense or silently wrong: a feature our attention op does not
+implement yet (logit softcapping, attention sinks, MLA, ALiBi, bidirectional attention, linear
+attention layers) is refused at ``optimize()`` with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be served correctly by sparsecompile; the message names the reason."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a causal LM.
+
+    Attributes:
+        model_type: ``config.model_type`` of the text model.
+        num_layers, num_q_heads, num_kv_heads, head_dim: attention geometry (``num_q_heads % num_kv_heads == 0``).
+        attention_paths: qualified names of the attention modules, in layer order.
+        max_position_embeddings: the model's maximum length, or None if unknown.
+    """
+
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_paths: tuple[str, ...]
+    max_position_embeddings: int | None
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+# model_type -> reason we refuse it (features not implemented yet, or no hook point).
+_REFUSED_MODEL_TYPES = {
+    "bloom": "ALiBi attention without an AttentionInterface hook point",
+    "mpt": "ALiBi attention without an AttentionInterface hook point",
+    "gpt_oss": "attention sinks (s_aux) are not implemented yet",
+    "deepseek_v2": "multi-head latent attention (MLA) is not implemented yet",
+    "deepseek_v3": "multi-head latent attention (MLA) is not implemented yet",
+}
+
+
+def text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The per-layer self-attention modules (those carrying ``layer_idx``), in layer order."""
+    found = [(name, m) for name, m in model.named_modules()
+             if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
+    return sorted(found, key=lambda item: item[1].layer_idx)
+
+
+def inspect_model(model: nn.Module) -> ModelInfo:
+    """Describe ``model`` or raise :class:`UnsupportedModelError` saying why it cannot be served."""
+    config = text_config(model)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{model_type}: encoder-decoder models are not supported (causal LMs only)")
+    if not hasattr(model, "generate"):
+        raise UnsupportedModelError(f"{type(model).__name__} is not a generative model")
+    if model_type in _REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError(f"{model_type}: attention logit softcapping "
+                                    f"({config.attn_logit_softcapping}) is not implemented yet")
+    if getattr(config, "kv_lora_rank", None):
+        raise UnsupportedModelError(f"{model_type}: multi-head latent attention (MLA) is not implemented yet")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise UnsupportedModelError(f"{model_type}: bidirectional attention is not supported (causal attention only)")
+    layer_types = getattr(config, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if odd:
+        raise UnsupportedModelError(f"{model_type}: layer types {odd} are not supported "
+                                    "(only full and sliding-window attention layers)")
+    modules = attention_modules(model)
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if not modules:
+        raise UnsupportedModelError(f"{model_type}: no attention module with a layer_idx, so no hook point")
+    if num_layers is not None and len(modules) != num_layers:
+        raise UnsupportedModelError(f"{model_type}: found {len(modules)} attention modules for {num_layers} layers")
+    for _, module in modules:
+        if any(isinstance(p, nn.Parameter) and name == "sinks" for name, p in module.named_parameters(recurse=False)):
+            raise UnsupportedModelError(f"{model_type}: attention sinks are not implemented yet")
+    q_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    head_dim = (getattr(config, "head_dim", None) or getattr(modules[0][1], "head_dim", None)
+                or config.hidden_size // q_heads)
+    if q_heads % kv_heads:
+        raise UnsupportedModelError(f"{model_type}: {q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    return ModelInfo(model_type, len(modules), q_heads, kv_heads, int(head_dim), tuple(n for n, _ in modules),
+                     getattr(config, "max_position_embeddings", None))
+
+
+def model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    param = next(model.parameters())
+    return param.dtype, param.device

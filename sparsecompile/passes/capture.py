@@ -1,0 +1,66 @@
+"""Capture check: every attention site of a compiled graph must be a sparsecompile op.
+
+:func:`capture_backend` is the dynamo backend our compiled decode step uses: it runs the check on
+the FX graph dynamo produced (before decomposition, where SDPA is still one node) and then hands
+the graph to inductor, with CUDA graphs when asked (what ``mode="reduce-overhead"`` does).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+
+class CaptureError(RuntimeError):
+    """An attention site escaped sparsecompile (it would run dense, silently)."""
+
+
+_SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SDPA_OVERLOADS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
+
+
+def _is_sdpa(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return node.target in _SDPA_TARGETS or str(node.target).startswith(_SDPA_OVERLOADS)
+
+
+def count_attention_sites(gm: fx.GraphModule) -> Counter:
+    """Count sparsecompile attention ops and raw SDPA calls in a graph."""
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in (torch.ops.sparsecompile.paged_attention.default, torch.ops.sparsecompile.paged_attention):
+            counts["sparsecompile"] += 1
+        elif _is_sdpa(node):
+            counts["sdpa"] += 1
+    return counts
+
+
+def check_capture(gm: fx.GraphModule, expected_sites: int) -> Counter:
+    counts = count_attention_sites(gm)
+    if counts["sdpa"] or counts["sparsecompile"] != expected_sites:
+        raise CaptureError(f"expected {expected_sites} sparsecompile attention ops and no raw SDPA in the compiled "
+                           f"graph; found {counts['sparsecompile']} sparsecompile ops and {counts['sdpa']} SDPA calls")
+    return counts
+
+
+def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "inductor") -> Callable:
+    """A dynamo backend: :func:`check_capture`, then inductor (``inner="inductor"``) or eager (``"eager"``)."""
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        check_capture(gm, expected_sites)
+        backend.graphs_checked += 1
+        if inner == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": cuda_graphs})
+
+    backend.graphs_checked = 0
+    return backend

@@ -1,0 +1,83 @@
+"""Reference-counted page allocator for the paged KV pool (host side)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation asks for more pages than are free; nothing was allocated."""
+
+
+class BlockAllocator:
+    """Hands out page ids ``0..num_pages-1`` with reference counts.
+
+    ``allocate`` returns pages with count 1; ``incref`` shares a page (prefix reuse); ``free``
+    decrements and returns a page to the free list when its count reaches zero. Every failure
+    raises before any state changes, so the allocator is never left half-updated.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._refcount = [0] * num_pages
+        # Pop from the end: low page ids are handed out first, which keeps small runs compact.
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def extend(self, num_pages: int) -> None:
+        """Grow the pool to ``num_pages`` pages; the new ones are free."""
+        if num_pages < self.num_pages:
+            raise ValueError(f"cannot shrink the pool from {self.num_pages} to {num_pages} pages")
+        self._refcount.extend([0] * (num_pages - self.num_pages))
+        self._free = list(range(num_pages - 1, self.num_pages - 1, -1)) + self._free
+        self.num_pages = num_pages
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages (count 1 each); raises :class:`OutOfPages` if fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free")
+        pages = [self._free.pop() for _ in range(n)]
+        for page in pages:
+            self._refcount[page] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        for page in pages:
+            self._check_live(page)
+        for page in pages:
+            self._refcount[page] += 1
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference to each page; pages reaching zero return to the free list."""
+        pages = list(pages)
+        pending: dict[int, int] = {}
+        for page in pages:
+            pending[page] = pending.get(page, 0) + 1
+            self._check_live(page)
+            if pending[page] > self._refcount[page]:
+                raise ValueError(f"page {page} freed more times than it is referenced ({self._refcount[page]})")
+        for page in pages:
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                self._free.append(page)
+
+    def _check_live(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is outside the pool (0..{self.num_pages - 1})")
+        if self._refcount[page] == 0:
+            raise ValueError(f"page {page} is not allocated (double free or use after free)")

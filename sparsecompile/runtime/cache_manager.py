@@ -1,0 +1,346 @@
+"""CacheManager: the paged KV pool, block tables, retained-slot maps and method metadata.
+
+Storage model
+-------------
+* One pool shared by every layer: ``k_pool, v_pool [num_pages, kv_heads, page_size, head_dim]`` and
+  ``pos_pool [num_pages, kv_heads, page_size]`` (int32 logical position of the token in each slot,
+  -1 = empty). A page belongs to one ``(sequence row, layer)``.
+* Each ``(row, layer)`` owns a list of pages (``block_table [max_seqs, layers, max_pages]``) and uses
+  its first ``lengths[row, layer]`` *row-local slots*; slot ``i`` lives in page ``block_table[i // P]``
+  at offset ``i % P``. All KV heads of a layer use the same number of slots, but every head keeps its
+  own tokens: ``pos_pool`` is the per-layer, per-KV-head retained-slot map to logical positions.
+* Method metadata lives here too: *slot metadata* (pool-shaped, e.g. H2O scores) moves with its
+  token on compaction; *page metadata* (e.g. Quest min/max keys) is indexed by page.
+
+Host / device split
+-------------------
+The host is authoritative for *how many* slots each ``(row, layer)`` uses (every method here keeps
+a count that follows from lengths and budgets), so page allocation happens on the host, before a
+step, and is pushed to the device block table with :meth:`flush`. The device is authoritative for
+*what* each slot holds. Device-side operations (:meth:`write`, :meth:`build_view`, :meth:`move_slots`)
+contain no host synchronisation and run inside compiled decode graphs.
+
+Physical eviction (:meth:`move_slots` + :meth:`truncate`) frees pages back to the allocator;
+logical selection (:meth:`build_view` with a :class:`Selection`) only changes what attention reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels import gather_slots, kv_write
+from .allocator import BlockAllocator, OutOfPages
+from .step import StepState
+from .view import AttentionView, PageSelection, Selection, SlotSelection
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV state of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_slot_head(self) -> int:
+        """Bytes of K plus V for one token of one KV head."""
+        return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class CacheManager:
+    """Owns the paged KV pool and every per-sequence map into it (see module docstring)."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
+        self.layout = layout
+        self.allocator = BlockAllocator(num_pages)
+        self.slot_metadata: dict[str, torch.Tensor] = {}
+        self._slot_fill: dict[str, float] = {}
+        self.page_metadata: dict[str, torch.Tensor] = {}
+        L = layout.num_layers
+        self._host_table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
+        self._host_lengths = np.zeros((max_seqs, L), dtype=np.int64)
+        self._pages: list[list[list[int]]] = [[[] for _ in range(L)] for _ in range(max_seqs)]
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._live_rows: set[int] = set()
+        self._dirty_rows: set[int] = set()
+        self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def max_seqs(self) -> int:
+        return self._host_table.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self._host_table.shape[2]
+
+    def _allocate_device(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
+        L, H, P, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
+        dev, dtype = self.layout.device, self.layout.dtype
+        # One extra "trash" page, never allocated, absorbs masked scatters (static shapes, no races).
+        self.trash_page = num_pages
+        self.k_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
+        self.v_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
+        self.pos_pool = torch.full((num_pages + 1, H, P), -1, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(max_seqs, L, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(max_seqs, L, dtype=torch.int32, device=dev)
+        for t in (self.k_pool, self.v_pool, self.pos_pool, self.block_table, self.lengths):
+            torch._dynamo.mark_static_address(t)
+
+    def grow(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
+        """Enlarge the pool, the row count and the block-table width, keeping every live sequence.
+
+        New tensors replace the old ones (compiled graphs that captured them recompile).
+        """
+        num_pages = max(num_pages, self.num_pages)
+        max_seqs = max(max_seqs, self.max_seqs)
+        max_pages_per_seq = max(max_pages_per_seq, self.max_pages_per_seq)
+        old = (self.k_pool, self.v_pool, self.pos_pool)
+        old_meta = dict(self.slot_metadata)
+        old_page_meta = dict(self.page_metadata)
+        old_pages = self.num_pages
+        self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
+        for new, prev in zip((self.k_pool, self.v_pool, self.pos_pool), old):
+            new[:old_pages] = prev[:old_pages]
+        for name, prev in old_meta.items():
+            del self.slot_metadata[name]
+            self.register_slot_metadata(name, prev.dtype, self._slot_fill[name])[:old_pages] = prev[:old_pages]
+        for name, prev in old_page_meta.items():
+            del self.page_metadata[name]
+            self.register_page_metadata(name, tuple(prev.shape[2:]), prev.dtype)[:old_pages] = prev[:old_pages]
+        self.allocator.extend(num_pages)
+        rows_before, L = self._host_table.shape[0], self.layout.num_layers
+        table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
+        table[:rows_before, :, : self._host_table.shape[2]] = self._host_table
+        lengths = np.zeros((max_seqs, L), dtype=np.int64)
+        lengths[:rows_before] = self._host_lengths
+        self._host_table, self._host_lengths = table, lengths
+        self._pages.extend([[] for _ in range(L)] for _ in range(max_seqs - rows_before))
+        self._free_rows = list(range(max_seqs - 1, rows_before - 1, -1)) + self._free_rows
+        self._dirty_rows = set(range(max_seqs))
+        self.flush()
+
+    # ------------------------------------------------------------------ metadata registration
+    def register_slot_metadata(self, name: str, dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+        """A pool-shaped ``[num_pages, kv_heads, page_size]`` tensor that moves with its token."""
+        if name not in self.slot_metadata:
+            t = torch.full(self.pos_pool.shape, fill, dtype=dtype, device=self.layout.device)
+            torch._dynamo.mark_static_address(t)
+            self.slot_metadata[name] = t
+            self._slot_fill[name] = fill
+        return self.slot_metadata[name]
+
+    def register_page_metadata(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A ``[num_pages, kv_heads, *shape]`` tensor indexed by page (e.g. per-page key min/max)."""
+        if name not in self.page_metadata:
+            t = torch.zeros(self.num_pages + 1, self.layout.num_kv_heads, *shape, dtype=dtype,
+                            device=self.layout.device)
+            torch._dynamo.mark_static_address(t)
+            self.page_metadata[name] = t
+        return self.page_metadata[name]
+
+    # ------------------------------------------------------------------ sequences (host)
+    @property
+    def live_rows(self) -> list[int]:
+        return sorted(self._live_rows)
+
+    def add_sequence(self) -> int:
+        if not self._free_rows:
+            raise OutOfPages(f"all {self.max_seqs} sequence rows are in use")
+        row = self._free_rows.pop()
+        self._live_rows.add(row)
+        return row
+
+    def release_sequence(self, row: int) -> None:
+        """Free every page of ``row`` and return the row."""
+        self._check_row(row)
+        for layer_pages in self._pages[row]:
+            self.allocator.free(layer_pages)
+            layer_pages.clear()
+        self._host_lengths[row] = 0
+        self._host_table[row] = 0
+        self._live_rows.discard(row)
+        self._free_rows.append(row)
+        self._dirty_rows.add(row)
+
+    def slot_counts(self, row: int) -> list[int]:
+        """Row-local slots in use per layer (host)."""
+        return self._host_lengths[row].tolist()
+
+    def slot_count_array(self, rows: list[int]) -> np.ndarray:
+        """``[len(rows), layers]`` int64 copy of the slots in use (host)."""
+        return self._host_lengths[rows].copy()
+
+    def pages_of(self, row: int, layer: int) -> list[int]:
+        return list(self._pages[row][layer])
+
+    def _owned_pages(self, rows: list[int]) -> np.ndarray:
+        return np.array([[len(p) for p in self._pages[row]] for row in rows], dtype=np.int64).reshape(len(rows), -1)
+
+    def pages_needed(self, rows: list[int], new_counts: np.ndarray) -> int:
+        """Pages :meth:`ensure_slots` would allocate for ``new_counts [len(rows), layers]``."""
+        want = -(-np.asarray(new_counts, dtype=np.int64) // self.layout.page_size)
+        return int(np.maximum(want - self._owned_pages(rows), 0).sum())
+
+    def ensure_slots(self, rows: list[int], new_counts: np.ndarray) -> None:
+        """Grow ``(row, layer)`` slot counts to ``new_counts [len(rows), layers]``, allocating pages.
+
+        Atomic: raises :class:`OutOfPages` (or ValueError) before changing anything.
+        """
+        P, maxp = self.layout.page_size, self.max_pages_per_seq
+        new_counts = np.asarray(new_counts, dtype=np.int64).reshape(len(rows), self.layout.num_layers)
+        for row in rows:
+            self._check_row(row)
+        if new_counts.size and int(new_counts.max()) > maxp * P:
+            raise OutOfPages(f"a sequence needs {int(new_counts.max())} slots in one layer; "
+                             f"the block table holds {maxp * P}")
+        owned = self._owned_pages(rows)
+        want = -(-new_counts // P)
+        fresh = iter(self.allocator.allocate(int(np.maximum(want - owned, 0).sum())))
+        for i, layer in zip(*np.nonzero(want > owned)):
+            row, pages = rows[i], self._pages[rows[i]][layer]
+            while len(pages) < want[i, layer]:
+                page = next(fresh)
+                self._host_table[row, layer, len(pages)] = page
+                pages.append(page)
+        for i, row in enumerate(rows):
+            self._host_lengths[row] = np.maximum(self._host_lengths[row], new_counts[i])
+            self._dirty_rows.add(row)
+
+    def truncate(self, row: int, layer: int, count: int) -> None:
+        """Keep only the first ``count`` slots of ``(row, layer)``; pages past them go back to the allocator."""
+        self._check_row(row)
+        owned = self._pages[row][layer]
+        keep_pages = math.ceil(count / self.layout.page_size)
+        if count > int(self._host_lengths[row, layer]):
+            raise ValueError(f"truncate to {count} slots but only {int(self._host_lengths[row, layer])} are used")
+        self.allocator.free(owned[keep_pages:])
+        del owned[keep_pages:]
+        self._host_table[row, layer, keep_pages:] = 0
+        self._host_lengths[row, layer] = count
+        self._dirty_rows.add(row)
+
+    def flush(self) -> None:
+        """Push host changes of block tables and slot counts to the device (before a step)."""
+        if not self._dirty_rows:
+            return
+        rows = np.array(sorted(self._dirty_rows), dtype=np.int64)
+        dev_rows = torch.from_numpy(rows).to(self.layout.device)
+        self.block_table[dev_rows] = torch.from_numpy(self._host_table[rows]).to(self.layout.device)
+        self.lengths[dev_rows] = torch.from_numpy(self._host_lengths[rows].astype(np.int32)).to(self.layout.device)
+        self._dirty_rows.clear()
+
+    def _check_row(self, row: int) -> None:
+        if row not in self._live_rows:
+            raise ValueError(f"row {row} is not a live sequence")
+
+    # ------------------------------------------------------------------ device side (traceable)
+    def global_slots(self, layer: int, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1)."""
+        P = self.layout.page_size
+        table = self.block_table[rows, layer]  # [batch, max_pages]
+        flat = local.reshape(local.shape[0], -1)
+        safe = flat.clamp(min=0)
+        pages = torch.gather(table, 1, safe // P).long()
+        slots = torch.where(flat >= 0, pages * P + safe % P, torch.full_like(flat, -1))
+        return slots.reshape(local.shape)
+
+    def write(self, layer: int, step: StepState, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Write the step's new ``key, value [batch, kv_heads, tokens, head_dim]``; returns their global slots.
+
+        New tokens land after the slots already in use (``lengths`` already counts them: see
+        :meth:`ensure_slots`). Slot metadata of the new slots is reset to its fill value.
+        """
+        used = self.lengths[step.rows, layer].long() - step.num_new  # [batch]
+        local = torch.where(step.new_offsets >= 0, used[:, None] + step.new_offsets, step.new_offsets)
+        slots = self.global_slots(layer, step.rows, local)
+        kv_write(self.k_pool, self.v_pool, self.pos_pool, key, value, slots, step.positions)
+        if self.slot_metadata:
+            per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
+            for name, meta in self.slot_metadata.items():
+                self.scatter_slots(meta, per_head, torch.full(per_head.shape, self._slot_fill[name], dtype=meta.dtype,
+                                                              device=meta.device))
+        return slots
+
+    def scatter_slots(self, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """``pool[slot of head h] = values`` for global ``slots [batch, kv_heads, n]``; slots < 0 are skipped.
+
+        Skipped entries go to the trash page (no boolean indexing, so shapes stay static under compile).
+        """
+        P = self.layout.page_size
+        safe = torch.where(slots >= 0, slots, torch.full_like(slots, self.trash_page * P))
+        head = torch.arange(slots.shape[1], device=slots.device)[None, :, None].expand_as(safe)
+        pool.index_put_((safe // P, head, safe % P), values.to(pool.dtype))
+
+    def build_view(self, layer: int, step: StepState, selection: Selection = None) -> AttentionView:
+        """The AttentionView of ``layer`` for this step: every resident slot, or the selected subset."""
+        H, P = self.layout.num_kv_heads, self.layout.page_size
+        rows = step.rows
+        table = self.block_table[rows, layer]  # [batch, max_pages]
+        if selection is None:
+            index = table[:, None, :].expand(-1, H, -1)
+            lengths = self.lengths[rows, layer][:, None].expand(-1, H)
+            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, index, lengths, P)
+        if isinstance(selection, PageSelection):
+            pages = torch.gather(table[:, None, :].expand(-1, H, -1), 2, selection.pages.clamp(min=0))
+            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, pages.to(torch.int32),
+                                 selection.tokens.to(torch.int32), P)
+        if isinstance(selection, SlotSelection):
+            slots = self.global_slots(layer, rows, selection.slots)
+            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, slots.clamp(min=0).to(torch.int32),
+                                 selection.counts.to(torch.int32), 1)
+        raise TypeError(f"unknown selection type {type(selection).__name__}")
+
+    def resident_slot_ids(self, layer: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global slot ids of the first ``width`` row-local slots ``[batch, width]`` and their validity."""
+        local = torch.arange(width, device=rows.device)[None, :].expand(rows.shape[0], -1)
+        valid = local < self.lengths[rows, layer][:, None]
+        return self.global_slots(layer, rows, torch.where(valid, local, -1)), valid
+
+    def move_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head, copy row-local slots ``src`` to ``dst`` (both ``[batch, kv_heads, n]``).
+
+        Moves K, V, position and all slot metadata together. Sources are read before any write, so
+        overlapping moves (compaction to the front) are safe.
+        """
+        H = self.layout.num_kv_heads
+        batch, _, n = src.shape
+        g_src = self.global_slots(layer, rows, src.reshape(batch, -1)).reshape(batch, H, n).clamp(min=0)
+        g_dst = self.global_slots(layer, rows, dst.reshape(batch, -1)).reshape(batch, H, n)
+        pools = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values())
+        moved = [gather_slots(pool, g_src) for pool in pools]  # read everything before writing
+        for pool, values in zip(pools, moved):
+            self.scatter_slots(pool, g_dst, values)
+
+    def compact(self, layer: int, rows: torch.Tensor, keep: torch.Tensor) -> None:
+        """Physical eviction, device half: per KV head, move the kept row-local slots ``keep [batch, kv_heads, k]``
+        (ascending) to slots ``0..k-1``. The host half is :meth:`truncate` to ``k`` slots, which frees pages."""
+        dst = torch.arange(keep.shape[-1], device=keep.device).expand_as(keep)
+        self.move_slots(layer, rows, keep, dst)
+
+    # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
+    def retained_positions(self, row: int, layer: int) -> list[torch.Tensor]:
+        """For each KV head of ``(row, layer)``, the sorted logical positions still resident."""
+        self._check_row(row)
+        count = int(self._host_lengths[row, layer])
+        if count == 0:
+            return [torch.empty(0, dtype=torch.int64) for _ in range(self.layout.num_kv_heads)]
+        rows = torch.tensor([row], device=self.layout.device)
+        slots, _ = self.resident_slot_ids(layer, rows, count)
+        pos = gather_slots(self.pos_pool, slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1))[0].cpu().long()
+        return [torch.sort(p[p >= 0]).values for p in pos]
+
+    def resident_tokens(self, row: int, layer: int) -> list[int]:
+        """Tokens resident per KV head of ``(row, layer)``."""
+        return [int(p.numel()) for p in self.retained_positions(row, layer)]

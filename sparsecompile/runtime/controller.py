@@ -1,0 +1,225 @@
+"""SparseController: drives one method's lifecycle over a model's forwards.
+
+The controller knows nothing of transformers: it is handed an ``inner_forward(input_ids, position_ids,
+inputs_embeds, logits_to_keep) -> logits`` callable (the unpatched model forward) and calls it once
+per prefill chunk or decode step, with :attr:`step` set so that every attention layer reaches
+:meth:`attend`. Host work (page allocation, slot counts) happens around those calls; the per-layer
+work inside :meth:`attend` and the method's ``finish_step`` are device-only, so a decode step
+(forward + finish) compiles to one graph and, on CUDA, replays as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels import paged_attention
+from ..methods.base import LayerContext, SparseMethodRuntime
+from .allocator import OutOfPages
+from .cache_manager import CacheManager, KVLayout
+from .step import StepState
+
+InnerForward = Callable[..., torch.Tensor]
+
+
+@dataclass
+class EngineConfig:
+    """Engine options shared by ``optimize()`` and the serving runtime.
+
+    Attributes:
+        page_size: tokens per KV page.
+        prefill_chunk_size: prompt tokens per prefill forward (chunked prefill); 0 = whole prompt.
+        compile: compile decode steps with ``torch.compile`` ("auto": on CUDA only).
+        cuda_graphs: replay compiled decode steps as CUDA graphs ("auto": when compiling on CUDA).
+        num_pages: fixed pool size; None sizes it from the method's MemoryOracle and grows on demand.
+        show_progress: a progress bar over prefill chunks (the CLI turns it on).
+    """
+
+    page_size: int = 16
+    prefill_chunk_size: int = 2048
+    compile: bool | str = "auto"
+    cuda_graphs: bool | str = "auto"
+    num_pages: int | None = None
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        if self.prefill_chunk_size < 0:
+            raise ValueError(f"prefill_chunk_size must be >= 0 (0 = whole prompt), got {self.prefill_chunk_size}")
+        for name in ("compile", "cuda_graphs"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+class SparseController:
+    """Lifecycle driver for one patched model (see module docstring)."""
+
+    def __init__(self, runtime: SparseMethodRuntime, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.layout = KVLayout(num_layers, num_kv_heads, head_dim, config.page_size, dtype, torch.device(device))
+        self.oracle = runtime.memory_oracle(self.layout)
+        self.manager: CacheManager | None = None
+        self.step: StepState | None = None
+        self.attention_calls = 0  # eager calls of attend(); the capture check reads it
+        self._decode_steps: dict[tuple[int, ...], StepState] = {}
+        self._compiled_decode: Callable | None = None
+
+    # ------------------------------------------------------------------ capacity (host)
+    def reserve(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Make sure ``batch`` more sequences of this size fit (grow the pool when it is auto-sized)."""
+        per_seq = self.oracle.peak_slots_per_layer(prompt_len, max_new_tokens)
+        pages = batch * self.oracle.pages_for(per_seq)
+        widest = math.ceil(max(per_seq) / self.layout.page_size)
+        if self.manager is None:
+            num_pages = self.config.num_pages or _pow2(pages)
+            self.manager = CacheManager(self.layout, num_pages, _pow2(batch), _pow2(widest))
+            self.runtime.setup(self.manager)
+            return
+        m = self.manager
+        rows = len(m.live_rows) + batch
+        free = m.allocator.num_free
+        if rows > m.max_seqs or widest > m.max_pages_per_seq or (pages > free and self.config.num_pages is None):
+            m.grow(_pow2(m.num_pages - free + pages) if pages > free and self.config.num_pages is None else m.num_pages,
+                   _pow2(rows), _pow2(widest))
+            self._decode_steps.clear()
+
+    def add_sequences(self, batch: int) -> list[int]:
+        assert self.manager is not None, "reserve() first"
+        return [self.manager.add_sequence() for _ in range(batch)]
+
+    def release_rows(self, rows: list[int]) -> None:
+        if self.manager is None:
+            return
+        for row in rows:
+            if row in self.manager.live_rows:
+                self.manager.release_sequence(row)
+        self._decode_steps = {k: v for k, v in self._decode_steps.items() if not set(k) & set(rows)}
+
+    def _make_room(self, step: StepState) -> None:
+        """Grow every layer's slot count by the step's new tokens (allocating pages; auto-grow the pool)."""
+        m = self.manager
+        counts = m.slot_count_array(step.row_ids) + np.asarray(step.num_new_host, dtype=np.int64)[:, None]
+        try:
+            m.ensure_slots(step.row_ids, counts)
+        except OutOfPages:
+            if self.config.num_pages is not None:
+                raise
+            need = m.pages_needed(step.row_ids, counts)
+            widest = math.ceil(int(counts.max()) / self.layout.page_size)
+            m.grow(_pow2(m.allocator.num_used + need), m.max_seqs, _pow2(widest))
+            self._decode_steps.clear()
+            m.ensure_slots(step.row_ids, counts)
+
+    # ------------------------------------------------------------------ the per-layer path (device)
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               sliding_window: int) -> torch.Tensor:
+        """Write new K/V, select, build the view, attend, run the layer hooks.
+
+        Returns ``out [batch, tokens, q_heads, head_dim]``.
+        """
+        step, m, rt = self.step, self.manager, self.runtime
+        if step is None or m is None:
+            raise RuntimeError("sparsecompile attention ran outside a sparsecompile step: call the patched model "
+                               "(model(...) or model.generate(...)), not its submodules")
+        if not torch.compiler.is_compiling():
+            self.attention_calls += 1
+        new_slots = m.write(layer, step, key, value)
+        ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
+        selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
+        ctx.view = view = m.build_view(layer, step, selection)
+        out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
+                              step.positions, view.block_size, scale, sliding_window)
+        rt.on_attention_end(ctx, out)
+        rt.on_layer_end(ctx)
+        return out
+
+    # ------------------------------------------------------------------ steps (host around device)
+    def _run(self, inner: InnerForward, step: StepState, **inputs) -> torch.Tensor:
+        """One forward with ``step`` active, then the method's device-side finish (the compiled unit)."""
+        self.step = step
+        try:
+            logits = inner(**inputs)
+            self.runtime.finish_step(self.manager, step)
+        finally:
+            self.step = None
+        return logits
+
+    def _begin(self, step: StepState) -> None:
+        self._make_room(step)
+        self.runtime.prepare_step(self.manager, step)
+        self.manager.flush()
+
+    def _end(self, step: StepState) -> None:
+        self.runtime.commit_step(self.manager, step)
+
+    def prefill(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor | None,
+                inputs_embeds: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor,
+                logits_to_keep: int, progress: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run prompt tokens ``[batch, tokens]`` in chunks; returns ``inner``'s logits for the kept positions."""
+        tokens = positions.shape[1]
+        chunk = self.config.prefill_chunk_size or tokens
+        if self.runtime.prefill_mode == "whole":
+            chunk = tokens
+        outputs = []
+        for start in range(0, tokens, chunk):
+            stop = min(tokens, start + chunk)
+            last = stop == tokens
+            step = StepState.build(rows, valid[:, start:stop], positions[:, start:stop], is_prefill=True,
+                                   is_last_chunk=last, device=self.layout.device)
+            keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
+            self._begin(step)
+            logits = self._run(inner, step, input_ids=None if input_ids is None else input_ids[:, start:stop],
+                               inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
+                               position_ids=positions[:, start:stop], logits_to_keep=keep)
+            self._end(step)
+            if logits_to_keep == 0 or last:
+                outputs.append(logits)
+            if progress is not None:
+                progress(stop - start)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def decode(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """One decode token per row: ``input_ids, positions [batch, 1]`` -> logits ``[batch, 1, vocab]``."""
+        step = self._decode_step(rows)
+        step.positions.copy_(positions)
+        self._begin(step)
+        fn = self._compiled_decode if self._compiled_decode is not None else self._decode_eager
+        logits = fn(inner, step, input_ids, step.positions)
+        self._end(step)
+        return logits
+
+    def _decode_eager(self, inner: InnerForward, step: StepState, input_ids: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        return self._run(inner, step, input_ids=input_ids, inputs_embeds=None, position_ids=positions,
+                         logits_to_keep=1)
+
+    def _decode_step(self, rows: list[int]) -> StepState:
+        """One persistent StepState per row tuple: static tensors, so a compiled step sees fixed addresses."""
+        key = tuple(rows)
+        if key not in self._decode_steps:
+            batch = len(rows)
+            step = StepState.build(rows, torch.ones(batch, 1, dtype=torch.bool),
+                                   torch.zeros(batch, 1, dtype=torch.long), is_prefill=False, is_last_chunk=False,
+                                   device=self.layout.device)
+            for t in (step.rows, step.positions, step.new_offsets, step.num_new):
+                torch._dynamo.mark_static_address(t)
+            self._decode_steps[key] = step
+        return self._decode_steps[key]
+
+    def enable_compiled_decode(self, backend: Callable) -> None:
+        """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
+        self._compiled_decode = torch.compile(self._decode_eager, backend=backend, fullgraph=True, dynamic=False)

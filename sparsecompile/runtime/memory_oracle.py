@@ -1,0 +1,55 @@
+"""MemoryOracle: per-method capacity questions the scheduler (and pool sizing) asks.
+
+A method names its resources (each a budget with a unit) and tells, for a request, what admitting
+it costs in each, and what one more step costs. The scheduler admits a request only when every
+cost fits its remaining budget (paper: admission ``c_j(r) <= B_j`` for every resource ``j``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+from .cache_manager import KVLayout
+
+
+class MemoryOracle(ABC):
+    """Capacity model of one method over one :class:`KVLayout`."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    @abstractmethod
+    def peak_slots_per_layer(self, prompt_len: int, max_new_tokens: int) -> list[int]:
+        """Most row-local slots each layer ever uses for one sequence (transient prefill state included)."""
+
+    def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
+        """Slots each layer holds between steps after ``generated`` decode tokens (default: the peak)."""
+        return self.peak_slots_per_layer(prompt_len, generated)
+
+    def pages_for(self, slots_per_layer: list[int]) -> int:
+        return sum(math.ceil(s / self.layout.page_size) for s in slots_per_layer)
+
+    def resources(self, free_pages: int) -> dict[str, int]:
+        """Named budgets still available (unit: pages of ``page_size`` tokens x all KV heads)."""
+        return {"kv_pages": free_pages}
+
+    def admission_cost(self, prompt_len: int, max_new_tokens: int) -> dict[str, int]:
+        """Reservation that guarantees the request can run to completion."""
+        return {"kv_pages": self.pages_for(self.peak_slots_per_layer(prompt_len, max_new_tokens))}
+
+    def step_cost(self, prompt_len: int, generated: int, new_tokens: int) -> dict[str, int]:
+        """Extra pages the next step (``new_tokens`` more) may allocate beyond what is resident now."""
+        now = self.pages_for(self.resident_slots_per_layer(prompt_len, generated))
+        after = self.pages_for(self.resident_slots_per_layer(prompt_len, generated + new_tokens))
+        return {"kv_pages": max(0, after - now)}
+
+    def fits(self, cost: dict[str, int], budgets: dict[str, int]) -> bool:
+        return all(cost.get(name, 0) <= budgets.get(name, 0) for name in cost)
+
+
+class DenseMemoryOracle(MemoryOracle):
+    """Every token of every layer stays resident: ``prompt + generated`` slots per layer."""
+
+    def peak_slots_per_layer(self, prompt_len: int, max_new_tokens: int) -> list[int]:
+        return [prompt_len + max_new_tokens] * self.layout.num_layers

@@ -1,0 +1,64 @@
+"""StepState: per-forward metadata shared by the CacheManager, the method runtime and the attention ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepState:
+    """What one model forward (a prefill chunk or a decode step) processes.
+
+    Device tensors (read inside compiled graphs; the decode step reuses one instance per batch size):
+        rows: ``[batch]`` int64 CacheManager rows of the sequences in this forward.
+        positions: ``[batch, tokens]`` int64 logical positions of the new tokens (-1 for padding).
+        new_offsets: ``[batch, tokens]`` int64 index of each new token among its row's new tokens
+            (-1 for padding); the token lands at row-local slot ``lengths - num_new + offset``.
+        num_new: ``[batch]`` int64 non-padding tokens per row.
+
+    Host fields (static for a compiled graph):
+        is_prefill: prompt tokens (True) or one decode token per row (False).
+        is_last_chunk: this forward ends the prompt (SnapKV compacts after it).
+        row_ids / num_new_host: host copies of ``rows`` and ``num_new``.
+        prompt_lengths: host list, logical prompt length per row once the prompt is complete.
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    new_offsets: torch.Tensor
+    num_new: torch.Tensor
+    is_prefill: bool
+    is_last_chunk: bool
+    row_ids: list[int]
+    num_new_host: list[int]
+    prompt_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[1]
+
+    @staticmethod
+    def build(rows: list[int], valid: torch.Tensor, positions: torch.Tensor, *, is_prefill: bool,
+              is_last_chunk: bool, device: torch.device, prompt_lengths: list[int] | None = None) -> StepState:
+        """Build from host data: ``valid [batch, tokens]`` bool and ``positions [batch, tokens]`` (any device)."""
+        valid = valid.to("cpu", torch.bool)
+        positions = positions.to("cpu", torch.int64)
+        offsets = torch.where(valid, valid.long().cumsum(1) - 1, torch.full_like(positions, -1))
+        num_new = valid.long().sum(1)
+        return StepState(
+            rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            positions=torch.where(valid, positions, torch.full_like(positions, -1)).to(device, non_blocking=True),
+            new_offsets=offsets.to(device, non_blocking=True),
+            num_new=num_new.to(device, non_blocking=True),
+            is_prefill=is_prefill,
+            is_last_chunk=is_last_chunk,
+            row_ids=list(rows),
+            num_new_host=num_new.tolist(),
+            prompt_lengths=list(prompt_lengths or []),
+        )

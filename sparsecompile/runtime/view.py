@@ -1,0 +1,62 @@
+"""AttentionView and Selection: what a layer's attention reads, and how a method asks for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionView:
+    """The payload an attention kernel reads for one layer of one batch.
+
+    Attributes:
+        k_pool, v_pool: ``[num_pages, kv_heads, page_size, head_dim]`` (the whole pool; read in place).
+        pos_pool: ``[num_pages, kv_heads, page_size]`` int32 logical positions (-1 = empty slot).
+        index: ``[batch, kv_heads, entries]`` int32: page ids when ``block_size == page_size``, global slot
+            ids when ``block_size == 1``.
+        lengths: ``[batch, kv_heads]`` int32 number of slots read (``<= entries * block_size``).
+        block_size: slots covered by one entry of ``index``.
+    """
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    pos_pool: torch.Tensor
+    index: torch.Tensor
+    lengths: torch.Tensor
+    block_size: int
+
+    @property
+    def slots_read(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` slots the kernel visits (before the position mask)."""
+        return self.lengths
+
+
+@dataclass
+class SlotSelection:
+    """Token-granular logical selection: read these row-local slot indices only.
+
+    Attributes:
+        slots: ``[batch, kv_heads, k]`` int64 row-local slot indices (``0 <= s < resident slots``).
+        counts: ``[batch, kv_heads]`` how many leading entries of ``slots`` are used.
+    """
+
+    slots: torch.Tensor
+    counts: torch.Tensor
+
+
+@dataclass
+class PageSelection:
+    """Page-granular logical selection: read these row-local page numbers only.
+
+    Attributes:
+        pages: ``[batch, kv_heads, k]`` int64 row-local page numbers, the partially filled last page last.
+        tokens: ``[batch, kv_heads]`` slots covered (full pages except the last).
+    """
+
+    pages: torch.Tensor
+    tokens: torch.Tensor
+
+
+Selection = SlotSelection | PageSelection | None

@@ -1,0 +1,33 @@
+"""Shared fixtures. Triton kernels run in interpreter mode on machines without CUDA."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any @triton.jit kernel is defined
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model (downloaded and converted once per cache dir), fp32 on CPU."""
+    from sparsecompile.models.default_model import load_model
+
+    model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from sparsecompile.models.default_model import resolve_model_path
+
+    return resolve_model_path(None)

@@ -1,0 +1,37 @@
+"""Decode steps compile to one graph, with no graph break and no recompile across prompt lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_pair
+from torch._dynamo.utils import counters
+
+import sparsecompile
+from sparsecompile.passes import CaptureError, capture_backend
+
+
+@pytest.mark.slow
+def test_compiled_decode_one_graph_no_recompile():
+    torch._dynamo.reset()
+    counters.clear()
+    reference, model = tiny_pair("llama", seed=6)
+    sparsecompile.optimize(model, "vanilla", page_size=4, compile=True)
+    for length in (7, 12, 19):
+        ids = torch.randint(3, 96, (2, length))
+        want = reference.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), want)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    assert not counters["recompiles"]
+
+
+def test_capture_check_rejects_raw_sdpa():
+    def uses_sdpa(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(uses_sdpa, backend=capture_backend(1, cuda_graphs=False, inner="eager"), fullgraph=True)
+    with pytest.raises(Exception) as err:
+        compiled(torch.randn(1, 2, 4, 8))
+    assert isinstance(err.value, CaptureError) or "CaptureError" in str(err.value)

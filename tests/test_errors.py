@@ -1,0 +1,76 @@
+"""Bad input gets a clear error at the API boundary, and leaves nothing allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_pair
+from transformers import DynamicCache
+
+import sparsecompile
+from sparsecompile import MethodConfigError, UnsupportedModelError
+
+
+def test_unknown_method():
+    _, model = tiny_pair()
+    with pytest.raises(MethodConfigError, match="unknown method 'snapkvv'.*available methods: .*vanilla"):
+        sparsecompile.optimize(model, "snapkvv")
+
+
+def test_unknown_option_lists_valid_ones():
+    _, model = tiny_pair()
+    with pytest.raises(MethodConfigError, match="unknown option.*bugdet.*valid options: .*page_size"):
+        sparsecompile.optimize(model, "vanilla", bugdet=10)
+
+
+@pytest.mark.parametrize("options,match", [({"page_size": 3}, "power of two"), ({"prefill_chunk_size": -1}, ">= 0"),
+                                           ({"compile": "yes"}, "True, False or 'auto'"),
+                                           ({"num_pages": 0}, "positive")])
+def test_out_of_range_engine_options(options, match):
+    _, model = tiny_pair()
+    with pytest.raises(MethodConfigError, match=match):
+        sparsecompile.optimize(model, **options)
+
+
+def test_prompt_over_max_length():
+    _, model = tiny_pair(max_position_embeddings=32)
+    sparsecompile.optimize(model)
+    ids = torch.randint(3, 96, (1, 40))
+    with pytest.raises(ValueError, match="exceeds the model's maximum length 32"):
+        model.generate(input_ids=ids, max_new_tokens=2)
+    manager = model.__dict__["_sparsecompile"].controller.manager
+    assert manager is None or manager.allocator.num_free == manager.num_pages
+
+
+def test_foreign_cache_refused():
+    _, model = tiny_pair()
+    sparsecompile.optimize(model)
+    ids = torch.randint(3, 96, (1, 5))
+    with pytest.raises(TypeError, match="manages the KV cache itself; got a DynamicCache"):
+        model.generate(input_ids=ids, max_new_tokens=2, past_key_values=DynamicCache())
+
+
+def test_beam_search_refused():
+    _, model = tiny_pair()
+    sparsecompile.optimize(model)
+    with pytest.raises(ValueError, match="beam search"):
+        model.generate(input_ids=torch.randint(3, 96, (1, 5)), max_new_tokens=2, num_beams=2)
+
+
+def test_unsupported_models_refused():
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    gemma2 = AutoModelForCausalLM.from_config(tiny_config("gemma3_text", attn_logit_softcapping=50.0))
+    with pytest.raises(UnsupportedModelError, match="softcapping"):
+        sparsecompile.optimize(gemma2)
+
+
+def test_restore_gives_the_model_back():
+    reference, model = tiny_pair()
+    ids = torch.randint(3, 96, (1, 6))
+    sparsecompile.optimize(model)
+    sparsecompile.restore(model)
+    assert "_sparsecompile" not in model.__dict__
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False),
+                       reference.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
