@@ -78,21 +78,28 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
         ``[batch, queries, q_heads, head_dim]`` contiguous, in ``query.dtype``.
     """
     batch, q_heads, queries, head_dim = query.shape
-    group = q_heads // k_pool.shape[1]
-    slots, valid = view_slots(index, lengths, block_size)
-    keys = gather_slots(k_pool, slots).to(query.dtype).repeat_interleave(group, dim=1)
-    values = gather_slots(v_pool, slots).to(query.dtype).repeat_interleave(group, dim=1)
+    kv_heads = k_pool.shape[1]
+    group = q_heads // kv_heads
+    # Read only as far as the longest list (a host sync is fine here: this op is opaque to the compiler).
+    span = int(lengths.max()) if lengths.numel() else 0
+    entries = max(1, -(-span // block_size))
+    slots, valid = view_slots(index[..., :entries], lengths, block_size)
+    keys = gather_slots(k_pool, slots).to(query.dtype)  # [batch, kv_heads, slots, head_dim]
+    values = gather_slots(v_pool, slots).to(query.dtype)
     kpos = gather_slots(pos_pool, slots)
-    out = torch.empty(batch, q_heads, queries, head_dim, dtype=query.dtype, device=query.device)
-    step = max(1, _REFERENCE_SCORE_ELEMENTS // max(1, batch * q_heads * slots.shape[-1]))
+    # Fold each GQA group into the query axis (row = g * queries + t): no K/V repetition, one mask pass.
+    folded = query.reshape(batch, kv_heads, group * queries, head_dim)
+    out = torch.empty_like(folded)
+    step = max(1, _REFERENCE_SCORE_ELEMENTS // max(1, batch * kv_heads * group * slots.shape[-1]))
     for start in range(0, queries, step):
         stop = min(queries, start + step)
-        mask = visibility(kpos, valid, q_positions[:, start:stop], sliding_window).repeat_interleave(group, dim=1)
-        seen = mask.any(-1, keepdim=True)
-        part = F.scaled_dot_product_attention(query[:, :, start:stop], keys, values, attn_mask=mask | ~seen,
-                                              scale=scale)
-        out[:, :, start:stop] = part.masked_fill(~seen, 0.0)
-    return out.transpose(1, 2).contiguous()
+        rows = torch.arange(group, device=query.device)[:, None] * queries + torch.arange(start, stop,
+                                                                                          device=query.device)
+        rows = rows.reshape(-1)
+        mask = visibility(kpos, valid, q_positions[:, start:stop].repeat(1, group), sliding_window)
+        part = F.scaled_dot_product_attention(folded[:, :, rows], keys, values, attn_mask=mask, scale=scale)
+        out[:, :, rows] = torch.nan_to_num(part, nan=0.0)  # a query that sees no key returns zeros
+    return out.reshape(batch, q_heads, queries, head_dim).transpose(1, 2).contiguous()
 
 
 if triton is not None:

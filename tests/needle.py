@@ -1,0 +1,44 @@
+"""Passkey-in-a-haystack prompts built at test time from text the standard library ships (pydoc_data)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_FILLER_CACHE: list[str] = []
+
+
+def _filler_paragraphs() -> list[str]:
+    if not _FILLER_CACHE:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        _FILLER_CACHE.extend(p.strip() for p in text.split("\n\n") if len(p.strip()) > 80)
+    return _FILLER_CACHE
+
+
+def passkey_prompt(tokenizer, passkey: str = "68213", target_tokens: int = 3000, depth: float = 0.5) -> torch.Tensor:
+    """Chat-formatted ``input_ids [1, n]`` (about ``target_tokens`` long) hiding ``passkey`` at ``depth`` (0..1)."""
+    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
+    question = "What is the pass key? Answer with the number only."
+    paragraphs, chosen, used = _filler_paragraphs(), [], 0
+    budget = target_tokens - 80
+    for p in paragraphs:
+        n = len(tokenizer(p)["input_ids"])
+        if used + n > budget:
+            break
+        chosen.append(p)
+        used += n
+    chosen.insert(int(round(depth * len(chosen))), needle)
+    content = "Read the text below and remember the pass key hidden in it.\n\n" + "\n\n".join(chosen)
+    messages = [{"role": "user", "content": content + "\n\n" + question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def retrieves(model, tokenizer, input_ids: torch.Tensor, passkey: str = "68213", max_new_tokens: int = 12) -> bool:
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                         max_new_tokens=max_new_tokens, do_sample=False)
+    text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+    return passkey in re.sub(r"\D", "", text) or passkey in text
