@@ -105,15 +105,22 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT,
+    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE,
                                 stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
                                 stride_pb, stride_ob, stride_ot, stride_oh,
                                 scale, window, num_queries,
                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                                IEEE: tl.constexpr):
+        """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
+
+        With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
+        :func:`_combine_kernel`; otherwise the final output.
+        """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        split = tl.program_id(2)
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
@@ -126,19 +133,28 @@ if triton is not None:
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
         qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int64)
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
+        # Split this list's actual length evenly (in BLOCK_N multiples): work follows lengths, not capacity.
+        tokens_per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * tokens_per_split
+        hi = tl.minimum(length, lo + tokens_per_split)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, length, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            jmask = j < length
+            jmask = j < hi
             entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
             slot = entry.to(tl.int64) * BLOCK + j % BLOCK
             base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-            k = tl.load(K + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(V + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
+            k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(V + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
             kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32) * scale
+            if IEEE:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            s = s.to(tl.float32) * scale
             vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
             if window > 0:
                 vis = vis & (kpos[None, :] > qpos[:, None] - window)
@@ -148,17 +164,65 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        if NUM_SPLITS == 1:
+            tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
+                     out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        else:
+            # partials laid out [batch, q_heads, queries, NUM_SPLITS, (HEAD_DIM)]
+            mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(MID_LSE + mid, lse, mask=row_ok)
+            tl.store(MID_O + mid[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(MID_O, MID_LSE, OUT, stride_ob, stride_ot, stride_oh, num_queries,
+                        Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Merge the split partials of one (sequence, query, q_head) row by their log-sum-exp."""
+        row = tl.program_id(0)  # (b * Q_HEADS + qh) * num_queries + t
+        t = row % num_queries
+        qh = (row // num_queries) % Q_HEADS
+        b = row // (num_queries * Q_HEADS)
+        sp = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        smask = sp < NUM_SPLITS
+        lse = tl.load(MID_LSE + row * NUM_SPLITS + sp, mask=smask, other=float("-inf"))
+        top = tl.max(lse, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(lse - top)
+        o = tl.load(MID_O + (row * NUM_SPLITS + sp)[:, None] * HEAD_DIM + d[None, :],
+                    mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        total = tl.sum(w, 0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(OUT + b * stride_ob + t * stride_ot + qh * stride_oh + d, out.to(OUT.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+
+# Split-KV decode: aim for a few waves of programs over the GPU's SMs (132 on an H200).
+_TARGET_PROGRAMS = 528
+
+
+def _num_splits(programs: int, span: int, block_n: int) -> int:
+    """Splits per (sequence, kv_head) list: enough programs to fill the GPU, no more than the capacity allows."""
+    if programs >= _TARGET_PROGRAMS:
+        return 1
+    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), triton.cdiv(span, block_n)))
 
 
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int) -> torch.Tensor:
-    """Triton launch with the semantics of :func:`paged_attention_reference`."""
+    """Triton launch with the semantics of :func:`paged_attention_reference`.
+
+    Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
+    programs (flash-decoding) and merge the partials; larger calls tile the query rows.
+    """
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
     group = q_heads // kv_heads
@@ -169,16 +233,31 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     q_positions = q_positions.contiguous()
     out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = 16 if queries * group <= 16 else 64
-    grid = (triton.cdiv(queries * group, block_m), batch * kv_heads)
-    _paged_attention_kernel[grid](
-        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out,
+    block_n = 64 if block_m == 16 else 32
+    m_blocks = triton.cdiv(queries * group, block_m)
+    span = index.shape[2] * block_size
+    splits = _num_splits(m_blocks * batch * kv_heads, span, block_n)
+    if splits > 1:
+        mid_o = torch.empty(batch, q_heads, queries, splits, head_dim, dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
+    else:
+        mid_o = mid_lse = out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _paged_attention_kernel[(m_blocks, batch * kv_heads, splits)](
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
         float(scale), int(sliding_window), queries,
-        KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=32,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
+        num_warps=4, num_stages=3 if block_m == 16 else 2,
     )
+    if splits > 1:
+        _combine_kernel[(batch * q_heads * queries,)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), queries,
+            Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        )
     return out
 
 

@@ -38,6 +38,14 @@ from .step import StepState
 from .view import AttentionView, PageSelection, Selection, SlotSelection
 
 
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor; on CUDA through a pinned buffer, without blocking the host."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of the KV state of one model."""
@@ -68,9 +76,13 @@ class CacheManager:
         self._host_table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
         self._host_lengths = np.zeros((max_seqs, L), dtype=np.int64)
         self._pages: list[list[list[int]]] = [[[] for _ in range(L)] for _ in range(max_seqs)]
+        self._owned = np.zeros((max_seqs, L), dtype=np.int64)  # len(self._pages[row][layer])
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._live_rows: set[int] = set()
+        # Pending host -> device updates: whole rows (rare), slot counts (every step), new table entries.
         self._dirty_rows: set[int] = set()
+        self._dirty_lengths: set[int] = set()
+        self._new_entries: list[tuple[int, int, int, int]] = []
         self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
 
     @property
@@ -127,6 +139,9 @@ class CacheManager:
         lengths[:rows_before] = self._host_lengths
         self._host_table, self._host_lengths = table, lengths
         self._pages.extend([[] for _ in range(L)] for _ in range(max_seqs - rows_before))
+        owned = np.zeros((max_seqs, L), dtype=np.int64)
+        owned[:rows_before] = self._owned
+        self._owned = owned
         self._free_rows = list(range(max_seqs - 1, rows_before - 1, -1)) + self._free_rows
         self._dirty_rows = set(range(max_seqs))
         self.flush()
@@ -168,6 +183,7 @@ class CacheManager:
         for layer_pages in self._pages[row]:
             self.allocator.free(layer_pages)
             layer_pages.clear()
+        self._owned[row] = 0
         self._host_lengths[row] = 0
         self._host_table[row] = 0
         self._live_rows.discard(row)
@@ -185,13 +201,10 @@ class CacheManager:
     def pages_of(self, row: int, layer: int) -> list[int]:
         return list(self._pages[row][layer])
 
-    def _owned_pages(self, rows: list[int]) -> np.ndarray:
-        return np.array([[len(p) for p in self._pages[row]] for row in rows], dtype=np.int64).reshape(len(rows), -1)
-
     def pages_needed(self, rows: list[int], new_counts: np.ndarray) -> int:
         """Pages :meth:`ensure_slots` would allocate for ``new_counts [len(rows), layers]``."""
         want = -(-np.asarray(new_counts, dtype=np.int64) // self.layout.page_size)
-        return int(np.maximum(want - self._owned_pages(rows), 0).sum())
+        return int(np.maximum(want - self._owned[rows], 0).sum())
 
     def ensure_slots(self, rows: list[int], new_counts: np.ndarray) -> None:
         """Grow ``(row, layer)`` slot counts to ``new_counts [len(rows), layers]``, allocating pages.
@@ -205,7 +218,7 @@ class CacheManager:
         if new_counts.size and int(new_counts.max()) > maxp * P:
             raise OutOfPages(f"a sequence needs {int(new_counts.max())} slots in one layer; "
                              f"the block table holds {maxp * P}")
-        owned = self._owned_pages(rows)
+        owned = self._owned[rows]
         want = -(-new_counts // P)
         fresh = iter(self.allocator.allocate(int(np.maximum(want - owned, 0).sum())))
         for i, layer in zip(*np.nonzero(want > owned)):
@@ -213,10 +226,11 @@ class CacheManager:
             while len(pages) < want[i, layer]:
                 page = next(fresh)
                 self._host_table[row, layer, len(pages)] = page
+                self._new_entries.append((row, layer, len(pages), page))
                 pages.append(page)
-        for i, row in enumerate(rows):
-            self._host_lengths[row] = np.maximum(self._host_lengths[row], new_counts[i])
-            self._dirty_rows.add(row)
+            self._owned[row, layer] = len(pages)
+        self._host_lengths[rows] = np.maximum(self._host_lengths[rows], new_counts)
+        self._dirty_lengths.update(rows)
 
     def truncate(self, row: int, layer: int, count: int) -> None:
         """Keep only the first ``count`` slots of ``(row, layer)``; pages past them go back to the allocator."""
@@ -227,19 +241,32 @@ class CacheManager:
             raise ValueError(f"truncate to {count} slots but only {int(self._host_lengths[row, layer])} are used")
         self.allocator.free(owned[keep_pages:])
         del owned[keep_pages:]
-        self._host_table[row, layer, keep_pages:] = 0
+        self._owned[row, layer] = keep_pages
+        self._host_table[row, layer, keep_pages:] = 0  # the device keeps stale ids past `lengths`: never read
         self._host_lengths[row, layer] = count
-        self._dirty_rows.add(row)
+        self._dirty_lengths.add(row)
 
     def flush(self) -> None:
-        """Push host changes of block tables and slot counts to the device (before a step)."""
-        if not self._dirty_rows:
-            return
-        rows = np.array(sorted(self._dirty_rows), dtype=np.int64)
-        dev_rows = torch.from_numpy(rows).to(self.layout.device)
-        self.block_table[dev_rows] = torch.from_numpy(self._host_table[rows]).to(self.layout.device)
-        self.lengths[dev_rows] = torch.from_numpy(self._host_lengths[rows].astype(np.int32)).to(self.layout.device)
-        self._dirty_rows.clear()
+        """Push host changes of block tables and slot counts to the device (before a step).
+
+        Only what changed travels (slot counts of the touched rows, new table entries), through pinned
+        buffers and non-blocking copies, so the host does not wait for the GPU's previous step.
+        """
+        dev = self.layout.device
+        if self._dirty_rows:
+            rows = np.array(sorted(self._dirty_rows), dtype=np.int64)
+            self.block_table[_to_device(rows, dev)] = _to_device(self._host_table[rows], dev)
+            self._dirty_lengths.update(self._dirty_rows)
+            self._dirty_rows.clear()
+        if self._new_entries:
+            entries = np.array(self._new_entries, dtype=np.int64)
+            self.block_table.index_put_(tuple(_to_device(entries[:, i], dev) for i in range(3)),
+                                        _to_device(entries[:, 3].astype(np.int32), dev))
+            self._new_entries.clear()
+        if self._dirty_lengths:
+            rows = np.array(sorted(self._dirty_lengths), dtype=np.int64)
+            self.lengths[_to_device(rows, dev)] = _to_device(self._host_lengths[rows].astype(np.int32), dev)
+            self._dirty_lengths.clear()
 
     def _check_row(self, row: int) -> None:
         if row not in self._live_rows:

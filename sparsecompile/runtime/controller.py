@@ -58,8 +58,14 @@ class EngineConfig:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+def _bucket(n: int) -> int:
+    """Round ``n`` up to one of a few sizes per power of two (<= 12.5% waste), so capacities (and the
+    compiled graphs that depend on them) change rarely."""
+    n = max(1, n)
+    if n <= 16:
+        return 1 << math.ceil(math.log2(n))
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 class SparseController:
@@ -84,16 +90,16 @@ class SparseController:
         pages = batch * self.oracle.pages_for(per_seq)
         widest = math.ceil(max(per_seq) / self.layout.page_size)
         if self.manager is None:
-            num_pages = self.config.num_pages or _pow2(pages)
-            self.manager = CacheManager(self.layout, num_pages, _pow2(batch), _pow2(widest))
+            num_pages = self.config.num_pages or _bucket(pages)
+            self.manager = CacheManager(self.layout, num_pages, _bucket(batch), _bucket(widest))
             self.runtime.setup(self.manager)
             return
         m = self.manager
         rows = len(m.live_rows) + batch
         free = m.allocator.num_free
-        if rows > m.max_seqs or widest > m.max_pages_per_seq or (pages > free and self.config.num_pages is None):
-            m.grow(_pow2(m.num_pages - free + pages) if pages > free and self.config.num_pages is None else m.num_pages,
-                   _pow2(rows), _pow2(widest))
+        short = pages > free and self.config.num_pages is None
+        if rows > m.max_seqs or widest > m.max_pages_per_seq or short:
+            m.grow(_bucket(m.num_pages - free + pages) if short else m.num_pages, _bucket(rows), _bucket(widest))
             self._decode_steps.clear()
 
     def add_sequences(self, batch: int) -> list[int]:
@@ -119,7 +125,7 @@ class SparseController:
                 raise
             need = m.pages_needed(step.row_ids, counts)
             widest = math.ceil(int(counts.max()) / self.layout.page_size)
-            m.grow(_pow2(m.allocator.num_used + need), m.max_seqs, _pow2(widest))
+            m.grow(_bucket(m.allocator.num_used + need), m.max_seqs, _bucket(widest))
             self._decode_steps.clear()
             m.ensure_slots(step.row_ids, counts)
 
