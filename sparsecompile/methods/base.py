@@ -114,6 +114,10 @@ class SparseMethodRuntime:
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         """After the forward: shrink slot counts that ``finish_step`` evicted (host; frees pages)."""
 
+    def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
+        """KV reached the pool without a prefill through this runtime (a KV import, a synthetic benchmark
+        fill): rebuild method metadata and state from the resident slots (host; may run device ops)."""
+
     # ---- device hooks (traceable)
     def build_prefill_selection(self, ctx: LayerContext) -> Selection:
         return None

@@ -102,6 +102,14 @@ class SparseController:
             m.grow(_bucket(m.num_pages - free + pages) if short else m.num_pages, _bucket(rows), _bucket(widest))
             self._decode_steps.clear()
 
+    def configure_pool(self, num_pages: int) -> None:
+        """Fix the pool at ``num_pages`` pages (no automatic growth); an idle pool is dropped and rebuilt lazily."""
+        if self.manager is not None and self.manager.live_rows:
+            raise RuntimeError("cannot resize the KV pool while sequences are live")
+        self.config.num_pages = num_pages
+        self.manager = None
+        self._decode_steps.clear()
+
     def add_sequences(self, batch: int) -> list[int]:
         assert self.manager is not None, "reserve() first"
         return [self.manager.add_sequence() for _ in range(batch)]

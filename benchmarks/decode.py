@@ -1,0 +1,328 @@
+"""Decode throughput against the HBM roofline, on the Llama-3.1-8B shape (random bf16 weights).
+
+    python benchmarks/decode.py [--grid default|quick] [--methods vanilla,quest,...] [--no-hf] [--out DIR]
+    sparsecompile bench ...                      (same arguments)
+
+For every (method, context, batch) point the KV cache is filled synthetically at the size the method
+holds after prefill (dense, Quest, OmniKV: the whole context plus metadata; SnapKV, PyramidKV, H2O,
+StreamingLLM: their budget), then 32 warm-up decode steps run and a window of >= 128 steps is timed,
+synchronised only at its edges (CUDA-graph replays of the compiled decode step). Reported per point:
+aggregate tok/s, achieved GB/s on the bytes a step must read (weights + KV read + method metadata),
+% of the roofline against the read bandwidth measured in the same run, and peak memory. The HF
+dense baselines (eager DynamicCache, StaticCache + torch.compile) run in the same invocation.
+Results: JSON lines and a PNG under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bandwidth import measure_read_bandwidth  # noqa: E402
+
+import sparsecompile  # noqa: E402
+from sparsecompile.models.hf_cache import SparseCache  # noqa: E402
+from sparsecompile.models.hf_patch import cache_argument_name  # noqa: E402
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=262144,
+                rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# Method rows of the benchmark: options as the performance targets state them.
+METHOD_OPTIONS = {
+    "vanilla": {},
+    "quest": {"budget": 2048},
+    "omnikv": {"budget": 2048},
+    "snapkv": {"budget": 2048},
+    "pyramidkv": {"budget": 2048},
+    "h2o": {"budget": 2048},
+    "streamingllm": {"budget": 2048},
+}
+
+GRIDS = {
+    "default": [(32768, 1), (32768, 16), (131072, 1), (131072, 4)],
+    "quick": [(32768, 1), (32768, 16)],
+}
+
+
+@dataclass
+class Point:
+    system: str
+    method: str
+    context: int
+    batch: int
+    resident_tokens: int = 0  # per sequence per layer per KV head
+    read_tokens: int = 0
+    tok_s: float = 0.0
+    step_ms: float = 0.0
+    bytes_per_step: float = 0.0
+    GBps: float = 0.0
+    roofline_tok_s: float = 0.0
+    pct_roofline: float = 0.0
+    peak_GiB: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def build_model(layers: int | None = None):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def weight_bytes(model) -> int:
+    # Every weight is read once per decode step (the embedding reads only B rows; count the LM head).
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+
+
+def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
+    """Place random K/V for ``context`` prompt tokens at the size the method keeps; returns slots per layer."""
+    m = controller.manager
+    counts = controller.oracle.resident_slots_per_layer(context, 0)
+    m.ensure_slots(rows, np.array([counts] * len(rows)))
+    m.flush()
+    m.k_pool.normal_()
+    m.v_pool.normal_()
+    rows_t = torch.tensor(rows, device=m.k_pool.device)
+    heads = m.layout.num_kv_heads
+    for layer, count in enumerate(counts):
+        slots, _ = m.resident_slot_ids(layer, rows_t, count)
+        pos = (context - count + torch.arange(count, device=slots.device)).expand(len(rows), -1)
+        m.scatter_slots(m.pos_pool, slots[:, None, :].expand(-1, heads, -1), pos[:, None, :].expand(-1, heads, -1))
+    controller.runtime.on_kv_loaded(m, rows, [context] * len(rows))
+    return counts
+
+
+def engine_point(model, method: str, context: int, batch: int, warmup: int, steps: int, wbytes: int,
+                 bandwidth: float) -> Point:
+    options = METHOD_OPTIONS[method]
+    point = Point("sparsecompile", method, context, batch)
+    sparsecompile.optimize(model, method, compile=True, cuda_graphs=True, **options)
+    patched = model.__dict__["_sparsecompile"]
+    controller = patched.controller
+    # The pool holds what the method keeps after prefill (the prompt itself is never materialised here).
+    per_seq = controller.oracle.resident_slots_per_layer(context, warmup + steps)
+    controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
+    cache = SparseCache(controller, expected_new_tokens=warmup + steps)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        rows = cache.allocate(batch, context)
+        counts = _fill_synthetic(controller, rows, context)
+        cache.processed = context
+        ids = torch.randint(3, 1000, (batch, 1), device="cuda")
+        pos = torch.full((batch, 1), context, device="cuda", dtype=torch.long)
+
+        def step():
+            nonlocal ids
+            logits = controller.decode(patched.inner, rows, ids, pos)
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            pos.add_(1)
+
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        from torch._dynamo.utils import counters
+
+        point.extra["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+        stats = sparsecompile.kv_stats(cache)
+        read = [s.tokens_read for s in stats.layers]
+        kv_read_token_heads = sum(read) if all(r is not None for r in read) else stats.resident_tokens
+        kv_bytes = kv_read_token_heads * controller.layout.bytes_per_slot_head
+        point.resident_tokens = int(np.mean(counts))
+        point.read_tokens = int(kv_read_token_heads / (batch * controller.layout.num_layers
+                                                       * controller.layout.num_kv_heads))
+        point.bytes_per_step = wbytes + kv_bytes + stats.metadata_bytes
+    finally:
+        cache.release()
+        sparsecompile.restore(model)
+    _finish(point, elapsed / steps, bandwidth)
+    return point
+
+
+def _finish(point: Point, step_s: float, bandwidth: float) -> None:
+    point.step_ms = step_s * 1e3
+    point.tok_s = point.batch / step_s
+    point.GBps = point.bytes_per_step / step_s / 1e9
+    point.roofline_tok_s = point.batch / (point.bytes_per_step / (bandwidth * 1e9))
+    point.pct_roofline = 100 * point.tok_s / point.roofline_tok_s
+    point.peak_GiB = torch.cuda.max_memory_allocated() / 2**30
+
+
+def hf_point(model, kind: str, context: int, batch: int, warmup: int, steps: int, wbytes: int,
+             bandwidth: float) -> Point:
+    """HF decode from a synthetically filled DynamicCache (eager) or StaticCache (torch.compile)."""
+    from transformers import DynamicCache, StaticCache
+
+    point = Point(f"hf-{kind}", "vanilla", context, batch, resident_tokens=context, read_tokens=context)
+    cfg = model.config
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    torch.cuda.reset_peak_memory_stats()
+    name = cache_argument_name(model)
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(shape, device="cuda", dtype=torch.bfloat16), layer)
+        forward = model.forward
+    else:
+        cache = StaticCache(config=cfg, max_cache_len=context + warmup + steps + 8)
+        ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        with torch.no_grad():  # lazily allocate the static layers
+            model(input_ids=ids, position_ids=torch.zeros_like(ids), **{name: cache})
+        for layer in cache.layers:
+            layer.keys[:, :, :context].normal_()
+            layer.values[:, :, :context].normal_()
+            layer.cumulative_length.fill_(context)
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(3, 1000, (batch, 1), device="cuda")
+    pos = torch.full((batch, 1), context, device="cuda", dtype=torch.long)
+    with torch.no_grad():
+        def step():
+            nonlocal ids
+            logits = forward(input_ids=ids, position_ids=pos.clone(), **{name: cache}).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            pos.add_(1)
+
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    kv_bytes = batch * cfg.num_hidden_layers * cfg.num_key_value_heads * context * cfg.head_dim * 2 * 2
+    point.bytes_per_step = wbytes + kv_bytes
+    _finish(point, elapsed / steps, bandwidth)
+    return point
+
+
+def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, start: int, steps: int) -> dict:
+    """Largest batch whose decode runs (doubling, then bisection); proof: the next batch fails."""
+    def runs(batch: int) -> Point | None:
+        try:
+            return engine_point(model, method, context, batch, 8, steps, wbytes, bandwidth)
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    lo, best, hi = 0, None, start
+    while (p := runs(hi)) is not None:
+        lo, best, hi = hi, p, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if (p := runs(mid)) is not None:
+            lo, best = mid, p
+        else:
+            hi = mid
+    return {"method": method, "context": context, "largest_batch": lo, "fails_at": hi, "point": best}
+
+
+def plot(points: list[Point], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({p.context for p in points})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        mine = [p for p in points if p.context == context]
+        for label in sorted({(p.system, p.method) for p in mine}):
+            pts = sorted((p for p in mine if (p.system, p.method) == label), key=lambda p: p.batch)
+            ax.plot([p.batch for p in pts], [p.tok_s for p in pts], "o-", label=f"{label[0]} {label[1]}")
+        roof = {p.batch: p.roofline_tok_s for p in mine if p.method == "vanilla" and p.system == "sparsecompile"}
+        if roof:
+            ax.plot(sorted(roof), [roof[b] for b in sorted(roof)], "k--", label="dense roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tok/s (aggregate)")
+        ax.set_title(f"context {context // 1024}K, Llama-3.1-8B shape, H200")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grid", default="default", choices=sorted(GRIDS))
+    parser.add_argument("--methods", default="vanilla,quest,omnikv,snapkv")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
+    parser.add_argument("--hf-static", default="32768x1", help="points for the StaticCache+compile baseline")
+    parser.add_argument("--max-batch", default="vanilla,snapkv", help="methods whose largest batch at 128K is searched")
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    bw = measure_read_bandwidth()
+    bandwidth = bw["best_GBps"]
+    print(json.dumps({"bandwidth": bw}), flush=True)
+    model = build_model(args.layers)
+    wbytes = weight_bytes(model)
+    methods = [m for m in args.methods.split(",") if m in sparsecompile.available_methods()]
+    results: list[Point] = []
+    out = open(os.path.join(args.out, "decode.jsonl"), "w")
+
+    def emit(point: Point) -> None:
+        results.append(point)
+        row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in point.__dict__.items()}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(json.dumps(row), flush=True)
+
+    out.write(json.dumps({"bandwidth": bw, "weight_bytes": wbytes, "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name()}) + "\n")
+    for method in methods:
+        for context, batch in GRIDS[args.grid]:
+            emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth))
+            gc.collect()
+            torch.cuda.empty_cache()
+    if not args.no_hf:
+        static = {tuple(int(x) for x in s.split("x")) for s in args.hf_static.split(",") if s}
+        for context, batch in GRIDS[args.grid]:
+            emit(hf_point(model, "dynamic", context, batch, args.warmup, args.steps, wbytes, bandwidth))
+            gc.collect()
+            torch.cuda.empty_cache()
+            if (context, batch) in static:
+                emit(hf_point(model, "static-compile", context, batch, args.warmup, args.steps, wbytes, bandwidth))
+                gc.collect()
+                torch.cuda.empty_cache()
+    for method in [m for m in args.max_batch.split(",") if m in methods]:
+        found = max_batch(model, method, 131072, wbytes, bandwidth, start=4 if method == "vanilla" else 64,
+                          steps=32)
+        if found["point"] is not None:
+            found["point"].note = f"largest batch; batch {found['fails_at']} fails (out of memory)"
+            emit(found["point"])
+        out.write(json.dumps({k: v for k, v in found.items() if k != "point"}) + "\n")
+    out.close()
+    plot(results, os.path.join(args.out, "decode.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
