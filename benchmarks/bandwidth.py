@@ -35,8 +35,7 @@ def measure_read_bandwidth(gib: float = 4.0) -> dict[str, float]:
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_s = _time_graph(lambda: dst.copy_(src))
-    out = torch.empty((), device="cuda", dtype=torch.float32)
-    reduce_s = _time_graph(lambda: torch.sum(src, dtype=torch.float32, out=out))
+    reduce_s = _time_graph(lambda: src.sum(dtype=torch.float32))
     # dense decode over a 32K context, batch 16, GQA 32/8, head_dim 128: 2.15 GB of K/V
     batch, heads, kv_heads, ctx, dim = 16, 32, 8, 32768, 128
     q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)

@@ -217,7 +217,8 @@ def _num_splits(programs: int, span: int, block_n: int) -> int:
 
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
-                           block_size: int, scale: float, sliding_window: int) -> torch.Tensor:
+                           block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Triton launch with the semantics of :func:`paged_attention_reference`.
 
     Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
@@ -236,7 +237,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     block_n = 64 if block_m == 16 else 32
     m_blocks = triton.cdiv(queries * group, block_m)
     span = index.shape[2] * block_size
-    splits = _num_splits(m_blocks * batch * kv_heads, span, block_n)
+    splits = num_splits or _num_splits(m_blocks * batch * kv_heads, span, block_n)
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, head_dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
@@ -250,7 +251,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         float(scale), int(sliding_window), queries,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        num_warps=4, num_stages=3 if block_m == 16 else 2,
+        num_warps=4, num_stages=num_stages or (3 if block_m == 16 else 2),
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
