@@ -84,11 +84,12 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
     span = int(lengths.max()) if lengths.numel() else 0
     entries = max(1, -(-span // block_size))
     slots, valid = view_slots(index[..., :entries], lengths, block_size)
-    keys = gather_slots(k_pool, slots).to(query.dtype)  # [batch, kv_heads, slots, head_dim]
-    values = gather_slots(v_pool, slots).to(query.dtype)
+    # The reference computes in fp32 (a bf16 SDPA with a boolean mask was seen off by up to 3.7 on CUDA).
+    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, slots, head_dim]
+    values = gather_slots(v_pool, slots).float()
     kpos = gather_slots(pos_pool, slots)
     # Fold each GQA group into the query axis (row = g * queries + t): no K/V repetition, one mask pass.
-    folded = query.reshape(batch, kv_heads, group * queries, head_dim)
+    folded = query.float().reshape(batch, kv_heads, group * queries, head_dim)
     out = torch.empty_like(folded)
     step = max(1, _REFERENCE_SCORE_ELEMENTS // max(1, batch * kv_heads * group * slots.shape[-1]))
     for start in range(0, queries, step):
@@ -99,7 +100,7 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
         mask = visibility(kpos, valid, q_positions[:, start:stop].repeat(1, group), sliding_window)
         part = F.scaled_dot_product_attention(folded[:, :, rows], keys, values, attn_mask=mask, scale=scale)
         out[:, :, rows] = torch.nan_to_num(part, nan=0.0)  # a query that sees no key returns zeros
-    return out.reshape(batch, q_heads, queries, head_dim).transpose(1, 2).contiguous()
+    return out.reshape(batch, q_heads, queries, head_dim).transpose(1, 2).to(query.dtype).contiguous()
 
 
 if triton is not None:
@@ -143,9 +144,16 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             jmask = j < hi
-            entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
-            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
+            if BLOCK == PAGE and BLOCK_N % PAGE == 0:
+                # page view: one index load per page, PAGE contiguous slots each (start is page-aligned)
+                e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
+                page_ids = tl.load(INDEX + b * stride_ib + h * stride_ih + e, mask=e * PAGE < hi, other=0)
+                first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
+                base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
+            else:
+                entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
+                slot = entry.to(tl.int64) * BLOCK + j % BLOCK
+                base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
             row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
             k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
             v = tl.load(V + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
@@ -204,21 +212,23 @@ if triton is not None:
                  mask=d < HEAD_DIM)
 
 
-# Split-KV decode: aim for a few waves of programs over the GPU's SMs (132 on an H200).
-_TARGET_PROGRAMS = 528
-
-
-def _num_splits(programs: int, span: int, block_n: int) -> int:
-    """Splits per (sequence, kv_head) list: enough programs to fill the GPU, no more than the capacity allows."""
-    if programs >= _TARGET_PROGRAMS:
+def _num_splits(programs: int, span: int, block_n: int, target: int) -> int:
+    """Splits per (sequence, kv_head) list: about ``target`` programs (a few waves over the SMs), no more
+    than the capacity allows."""
+    if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), triton.cdiv(span, block_n)))
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(span, block_n)))
+
+
+# Launch configurations (tuned on the H200 by benchmarks/kernels.py --sweep).
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs": 528}
+PREFILL_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 
 
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           config: dict | None = None) -> torch.Tensor:
     """Triton launch with the semantics of :func:`paged_attention_reference`.
 
     Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
@@ -234,10 +244,11 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     q_positions = q_positions.contiguous()
     out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = 16 if queries * group <= 16 else 64
-    block_n = 64 if block_m == 16 else 32
+    cfg = {**(DECODE_CONFIG if block_m == 16 else PREFILL_CONFIG), **(config or {})}
+    block_n = cfg["block_n"]
     m_blocks = triton.cdiv(queries * group, block_m)
     span = index.shape[2] * block_size
-    splits = num_splits or _num_splits(m_blocks * batch * kv_heads, span, block_n)
+    splits = num_splits or _num_splits(m_blocks * batch * kv_heads, span, block_n, cfg["target_programs"])
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, head_dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
@@ -251,7 +262,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         float(scale), int(sliding_window), queries,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        num_warps=4, num_stages=num_stages or (3 if block_m == 16 else 2),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](

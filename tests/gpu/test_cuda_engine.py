@@ -35,9 +35,14 @@ def test_paged_attention_triton_vs_reference(dtype, tol, queries, block, heads, 
     q = torch.randn(batch, heads * group, queries, dim, device="cuda").to(dtype)
     qpos = torch.randint(0, pages * page, (batch, queries), device="cuda")
     for window in (0, 300):
+        # the reference computes in fp32: run it on the same (rounded) inputs
         want = paged_attention_reference(q, k, v, pos, index, lengths, qpos, block, dim ** -0.5, window)
         got = paged_attention_triton(q, k, v, pos, index, lengths, qpos, block, dim ** -0.5, window)
         torch.testing.assert_close(got.float(), want.float(), **tol)
+        for splits in (1, 3):  # the split-KV merge must not change the result
+            again = paged_attention_triton(q, k, v, pos, index, lengths, qpos, block, dim ** -0.5, window,
+                                           num_splits=splits)
+            torch.testing.assert_close(again.float(), want.float(), **tol)
 
 
 def test_kv_write_triton_vs_reference():
