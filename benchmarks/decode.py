@@ -108,7 +108,7 @@ def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
 
 
 def engine_point(model, method: str, context: int, batch: int, warmup: int, steps: int, wbytes: int,
-                 bandwidth: float) -> Point:
+                 bandwidth: float, profile_path: str | None = None) -> Point:
     options = METHOD_OPTIONS[method]
     point = Point("sparsecompile", method, context, batch)
     sparsecompile.optimize(model, method, compile=True, cuda_graphs=True, **options)
@@ -140,6 +140,8 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
             step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        if profile_path:
+            _profile(step, profile_path)
         from torch._dynamo.utils import counters
 
         point.extra["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
@@ -156,6 +158,19 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
         sparsecompile.restore(model)
     _finish(point, elapsed / steps, bandwidth)
     return point
+
+
+def _profile(step, path: str, steps: int = 4) -> None:
+    """Where a decode step's GPU time goes: the top kernels of a few profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with open(path, "w") as handle:
+        handle.write(f"{steps} decode steps\n")
+        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
 
 
 def _finish(point: Point, step_s: float, bandwidth: float) -> None:
@@ -276,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
+    parser.add_argument("--profile", default="32768x1", help="engine points profiled with torch.profiler")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -297,9 +313,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out.write(json.dumps({"bandwidth": bw, "weight_bytes": wbytes, "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name()}) + "\n")
+    profiled = {tuple(int(x) for x in p.split("x")) for p in args.profile.split(",") if p}
     for method in methods:
         for context, batch in GRIDS[args.grid]:
-            emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth))
+            path = (os.path.join(args.out, f"profile_{method}_{context // 1024}k_b{batch}.txt")
+                    if (context, batch) in profiled else None)
+            emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth, path))
             gc.collect()
             torch.cuda.empty_cache()
     if not args.no_hf:

@@ -220,8 +220,11 @@ def _num_splits(programs: int, span: int, block_n: int, target: int) -> int:
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(span, block_n)))
 
 
-# Launch configurations (tuned on the H200 by benchmarks/kernels.py --sweep).
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs": 528}
+# Launch configurations, tuned on the H200 with benchmarks/kernels.py --sweep (results in benchmarks/results):
+# long decode work (>= 2^20 list slots in the call) prefers 128-slot tiles and fewer, longer splits
+# (95% of HBM bandwidth at 32K x 16, 94% at 128K x 4); short work prefers more, shorter splits.
+DECODE_LONG_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "target_programs": 264}
+DECODE_SHORT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs": 528}
 PREFILL_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 
 
@@ -244,10 +247,14 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     q_positions = q_positions.contiguous()
     out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = 16 if queries * group <= 16 else 64
-    cfg = {**(DECODE_CONFIG if block_m == 16 else PREFILL_CONFIG), **(config or {})}
-    block_n = cfg["block_n"]
     m_blocks = triton.cdiv(queries * group, block_m)
     span = index.shape[2] * block_size
+    if block_m == 16:
+        base = DECODE_LONG_CONFIG if batch * kv_heads * span >= 1 << 20 else DECODE_SHORT_CONFIG
+    else:
+        base = PREFILL_CONFIG
+    cfg = {**base, **(config or {})}
+    block_n = cfg["block_n"]
     splits = num_splits or _num_splits(m_blocks * batch * kv_heads, span, block_n, cfg["target_programs"])
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, head_dim, dtype=torch.float32, device=query.device)

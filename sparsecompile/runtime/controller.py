@@ -179,6 +179,7 @@ class SparseController:
     def _end(self, step: StepState) -> None:
         self.runtime.commit_step(self.manager, step)
 
+    @torch.no_grad()
     def prefill(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor | None,
                 inputs_embeds: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor,
                 logits_to_keep: int, progress: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -205,6 +206,7 @@ class SparseController:
                 progress(stop - start)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
+    @torch.no_grad()
     def decode(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """One decode token per row: ``input_ids, positions [batch, 1]`` -> logits ``[batch, 1, vocab]``."""
