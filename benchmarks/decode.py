@@ -231,27 +231,66 @@ def hf_point(model, kind: str, context: int, batch: int, warmup: int, steps: int
     return point
 
 
-def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, start: int, steps: int) -> dict:
-    """Largest batch whose decode runs (doubling, then bisection); proof: the next batch fails."""
-    def runs(batch: int) -> Point | None:
-        try:
-            return engine_point(model, method, context, batch, 8, steps, wbytes, bandwidth)
-        except torch.OutOfMemoryError:
-            return None
-        finally:
-            gc.collect()
-            torch.cuda.empty_cache()
+def _fits(model, method: str, context: int, batch: int, extra_tokens: int) -> bool:
+    """Whether ``batch`` sequences' KV (at the method's resident size) can be allocated and filled."""
+    sparsecompile.optimize(model, method, compile=False, **METHOD_OPTIONS[method])
+    controller = model.__dict__["_sparsecompile"].controller
+    per_seq = controller.oracle.resident_slots_per_layer(context, extra_tokens)
+    controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
+    cache = SparseCache(controller, expected_new_tokens=extra_tokens)
+    try:
+        rows = cache.allocate(batch, context)
+        _fill_synthetic(controller, rows, context)
+        # headroom for the decode step's activations and logits ([batch, vocab] fp32) and its graph pool
+        torch.empty(batch * model.config.vocab_size * 4 * 4 + 2**31, dtype=torch.uint8, device="cuda")
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        cache.release()
+        controller.manager = None
+        sparsecompile.restore(model)
+        gc.collect()
+        torch.cuda.empty_cache()
 
-    lo, best, hi = 0, None, start
-    while (p := runs(hi)) is not None:
-        lo, best, hi = hi, p, hi * 2
+
+def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, warmup: int, steps: int) -> dict:
+    """Largest batch whose KV fits (doubling, then bisection on allocation), verified by running decode at
+    it; the proof that one more fails is the allocation of batch + 1 failing (out of memory)."""
+    lo, hi = 0, 1
+    while _fits(model, method, context, hi, warmup + steps):
+        lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if (p := runs(mid)) is not None:
-            lo, best = mid, p
-        else:
-            hi = mid
-    return {"method": method, "context": context, "largest_batch": lo, "fails_at": hi, "point": best}
+        lo, hi = (mid, hi) if _fits(model, method, context, mid, warmup + steps) else (lo, mid)
+    point = None
+    while lo > 0 and point is None:
+        try:
+            point = engine_point(model, method, context, lo, warmup, steps, wbytes, bandwidth)
+        except torch.OutOfMemoryError:  # decode itself needs more than the allocation check reserved
+            lo, hi = lo - 1, lo
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"method": method, "context": context, "largest_batch": lo, "fails_at": hi, "point": point}
+
+
+def prefill_point(model, method: str, context: int, chunk: int) -> dict:
+    """Wall time of one chunked prefill of ``context`` tokens (batch 1) through the patched forward."""
+    sparsecompile.optimize(model, method, compile=False, prefill_chunk_size=chunk, **METHOD_OPTIONS[method])
+    ids = torch.randint(3, 1000, (1, context), device="cuda")
+    try:
+        for _ in range(2):  # the first run compiles the Triton kernels
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model(input_ids=ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            cache = out["cache"] if "cache" in out else out["past_key_values"]
+            cache.release()
+    finally:
+        sparsecompile.restore(model)
+    return {"prefill": method, "context": context, "chunk": chunk, "seconds": seconds,
+            "tok_s": context / seconds}
 
 
 def plot(points: list[Point], path: str) -> None:
@@ -261,12 +300,15 @@ def plot(points: list[Point], path: str) -> None:
     import matplotlib.pyplot as plt
 
     contexts = sorted({p.context for p in points})
+    labels = sorted({(p.system, p.method) for p in points})
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         mine = [p for p in points if p.context == context]
         for label in sorted({(p.system, p.method) for p in mine}):
             pts = sorted((p for p in mine if (p.system, p.method) == label), key=lambda p: p.batch)
-            ax.plot([p.batch for p in pts], [p.tok_s for p in pts], "o-", label=f"{label[0]} {label[1]}")
+            ax.plot([p.batch for p in pts], [p.tok_s for p in pts], "o-", color=colors[label],
+                    label=f"{label[0]} {label[1]}")
         roof = {p.batch: p.roofline_tok_s for p in mine if p.method == "vanilla" and p.system == "sparsecompile"}
         if roof:
             ax.plot(sorted(roof), [roof[b] for b in sorted(roof)], "k--", label="dense roofline")
@@ -292,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--profile", default="32768x1", help="engine points profiled with torch.profiler")
+    parser.add_argument("--prefill", default="vanilla,snapkv,h2o", help="methods whose 32K chunked prefill is timed")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -331,13 +374,20 @@ def main(argv: list[str] | None = None) -> int:
                 emit(hf_point(model, "static-compile", context, batch, args.warmup, args.steps, wbytes, bandwidth))
                 gc.collect()
                 torch.cuda.empty_cache()
-    for method in [m for m in args.max_batch.split(",") if m in methods]:
-        found = max_batch(model, method, 131072, wbytes, bandwidth, start=4 if method == "vanilla" else 64,
-                          steps=32)
+    for method in [m for m in args.max_batch.split(",") if m in sparsecompile.available_methods()]:
+        found = max_batch(model, method, 131072, wbytes, bandwidth, args.warmup, args.steps)
         if found["point"] is not None:
-            found["point"].note = f"largest batch; batch {found['fails_at']} fails (out of memory)"
+            found["point"].note = f"largest batch; batch {found['fails_at']} does not fit (out of memory)"
             emit(found["point"])
-        out.write(json.dumps({k: v for k, v in found.items() if k != "point"}) + "\n")
+        row = {k: v for k, v in found.items() if k != "point"}
+        out.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    for method in [m for m in args.prefill.split(",") if m in sparsecompile.available_methods()]:
+        row = prefill_point(model, method, 32768, 2048)
+        out.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
     out.close()
     plot(results, os.path.join(args.out, "decode.png"))
     return 0
