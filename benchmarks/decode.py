@@ -132,14 +132,7 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
             ids = logits[:, -1].argmax(-1, keepdim=True)
             pos.add_(1)
 
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = _timed_window(step, warmup, steps)
         if profile_path:
             _profile(step, profile_path)
         from torch._dynamo.utils import counters
@@ -158,6 +151,18 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
         sparsecompile.restore(model)
     _finish(point, elapsed / steps, bandwidth)
     return point
+
+
+def _timed_window(step, warmup: int, steps: int) -> float:
+    """Seconds for ``steps`` decode steps after ``warmup`` ones, synchronised only at the window's edges."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _profile(step, path: str, steps: int = 4) -> None:
@@ -217,14 +222,7 @@ def hf_point(model, kind: str, context: int, batch: int, warmup: int, steps: int
             ids = logits[:, -1].argmax(-1, keepdim=True)
             pos.add_(1)
 
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = _timed_window(step, warmup, steps)
     kv_bytes = batch * cfg.num_hidden_layers * cfg.num_key_value_heads * context * cfg.head_dim * 2 * 2
     point.bytes_per_step = wbytes + kv_bytes
     _finish(point, elapsed / steps, bandwidth)

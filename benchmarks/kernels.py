@@ -15,30 +15,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bandwidth import measure_read_bandwidth  # noqa: E402
+from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
-
-
-def _time_cycle(fns, iters: int = 10) -> float:
-    """Median seconds per call of ``fns`` (one list of closures over different buffers), graph-replayed."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
 
 
 def decode_inputs(batch: int, context: int, selected: int | None, block: int, copies: int = 3,
@@ -73,7 +53,7 @@ def decode_inputs(batch: int, context: int, selected: int | None, block: int, co
 
 
 def bench_config(sets: list[tuple], info: dict, config: dict | None) -> dict:
-    seconds = _time_cycle([lambda a=a: paged_attention_triton(*a, config=config) for a in sets])
+    seconds = time_graph([lambda a=a: paged_attention_triton(*a, config=config) for a in sets])
     return {**info, "config": config or "default", "us": seconds * 1e6, "GBps": info["MB_read"] * 1e6 / seconds / 1e9}
 
 

@@ -1,28 +1,41 @@
-"""Passkey-in-a-haystack prompts built at test time from text the standard library ships (pydoc_data)."""
+"""Passkey-in-a-haystack prompts built at test time.
+
+Two haystacks: ``"austen"``, the opening chapters of Jane Austen's *Emma* (public domain), shipped in
+``tests/data/emma_chapters.txt``; and ``"pydoc"``, the Python language reference that the standard
+library ships (``pydoc_data.topics``).
+"""
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 
 import torch
 
-_FILLER_CACHE: list[str] = []
+_AUSTEN = os.path.join(os.path.dirname(__file__), "data", "emma_chapters.txt")
 
 
-def _filler_paragraphs() -> list[str]:
-    if not _FILLER_CACHE:
+@functools.cache
+def _filler_paragraphs(source: str) -> tuple[str, ...]:
+    if source == "austen":
+        with open(_AUSTEN, encoding="utf-8") as handle:
+            text = handle.read().split("\n\n", 1)[1]  # drop the attribution line
+        return tuple(p.strip().replace("\n", " ") for p in text.split("\n\n") if len(p.strip()) > 40)
+    if source == "pydoc":
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in sorted(topics))
-        _FILLER_CACHE.extend(p.strip() for p in text.split("\n\n") if len(p.strip()) > 80)
-    return _FILLER_CACHE
+        return tuple(p.strip() for p in text.split("\n\n") if len(p.strip()) > 80)
+    raise ValueError(f"unknown haystack {source!r}")
 
 
-def passkey_prompt(tokenizer, passkey: str = "68213", target_tokens: int = 3000, depth: float = 0.5) -> torch.Tensor:
+def passkey_prompt(tokenizer, passkey: str = "68213", target_tokens: int = 3000, depth: float = 0.5,
+                   source: str = "austen") -> torch.Tensor:
     """Chat-formatted ``input_ids [1, n]`` (about ``target_tokens`` long) hiding ``passkey`` at ``depth`` (0..1)."""
     needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
     question = "What is the pass key? Answer with the number only."
-    paragraphs, chosen, used = _filler_paragraphs(), [], 0
+    paragraphs, chosen, used = _filler_paragraphs(source), [], 0
     budget = target_tokens - 80
     for p in paragraphs:
         n = len(tokenizer(p)["input_ids"])

@@ -123,6 +123,7 @@ class CacheManager:
         old_page_meta = dict(self.page_metadata)
         old_pages = self.num_pages
         self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
+        self.allocator.extend(num_pages)  # before re-registering page metadata, which is sized by num_pages
         for new, prev in zip((self.k_pool, self.v_pool, self.pos_pool), old):
             new[:old_pages] = prev[:old_pages]
         for name, prev in old_meta.items():
@@ -131,7 +132,6 @@ class CacheManager:
         for name, prev in old_page_meta.items():
             del self.page_metadata[name]
             self.register_page_metadata(name, tuple(prev.shape[2:]), prev.dtype)[:old_pages] = prev[:old_pages]
-        self.allocator.extend(num_pages)
         rows_before, L = self._host_table.shape[0], self.layout.num_layers
         table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
         table[:rows_before, :, : self._host_table.shape[2]] = self._host_table

@@ -1,0 +1,110 @@
+"""``sparsecompile::quest_page_scores``: Quest's upper bound on a page's query-key logit.
+
+For a query head ``q`` and a page whose keys have per-channel minimum ``lo`` and maximum ``hi``,
+the score is ``sum_c max(q_c * lo_c, q_c * hi_c)``: no key of the page can reach a larger logit
+``q . k``. With GQA the query heads of one KV head's group each score the page and the op keeps the
+**maximum** over the group, so the KV-head score is still an upper bound on every logit the group
+can produce, and a page that matters to any one query head of the group ranks high.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .library import define_op
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def quest_page_scores_reference(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+                                num_pages: torch.Tensor) -> torch.Tensor:
+    """Torch reference.
+
+    Args:
+        query: ``[batch, q_heads, head_dim]`` (one decode query per sequence).
+        kmin, kmax: ``[pool_pages, kv_heads, head_dim]`` per-page, per-channel key minimum / maximum.
+        pages: ``[batch, max_pages]`` integer pool page ids of each sequence's row-local pages (block-table row).
+        num_pages: ``[batch]`` integer row-local pages in use; entries at or past it score ``-inf``.
+    Returns:
+        ``[batch, kv_heads, max_pages]`` float32 scores.
+    """
+    batch, q_heads, dim = query.shape
+    kv_heads = kmin.shape[1]
+    q = query.float().reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    lo = kmin[pages.long()].float()  # [batch, max_pages, kv_heads, dim]
+    hi = kmax[pages.long()].float()
+    # max(q*lo, q*hi) == q*hi where q >= 0, q*lo where q < 0: two matmuls instead of a 5-d product.
+    per_head = (torch.einsum("bhgd,bphd->bhgp", q.clamp(min=0), hi)
+                + torch.einsum("bhgd,bphd->bhgp", q.clamp(max=0), lo))
+    scores = per_head.amax(dim=2)
+    valid = torch.arange(pages.shape[1], device=pages.device)[None, :] < num_pages.long()[:, None]
+    return torch.where(valid[:, None, :], scores, torch.full_like(scores, float("-inf")))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quest_scores_kernel(Q, KMIN, KMAX, PAGES, NUM, OUT, stride_qb, stride_qh, stride_pb, stride_ob, stride_oh,
+                             max_pages, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+        pid_bh = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        b = pid_bh // KV_HEADS
+        h = pid_bh % KV_HEADS
+        j = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        used = tl.load(NUM + b).to(tl.int64)
+        valid = (j < max_pages) & (j < used)
+        page = tl.load(PAGES + b * stride_pb + j, mask=valid, other=0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        base = (page * KV_HEADS + h) * HEAD_DIM  # kmin / kmax are contiguous [pool_pages, kv_heads, head_dim]
+        m2 = valid[:, None] & dmask[None, :]
+        lo = tl.load(KMIN + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        hi = tl.load(KMAX + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        for g in tl.static_range(GROUP):
+            q = tl.load(Q + b * stride_qb + (h * GROUP + g) * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+            s = tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), 1)
+            best = tl.maximum(best, s)
+        best = tl.where(valid, best, float("-inf"))
+        tl.store(OUT + b * stride_ob + h * stride_oh + j, best, mask=j < max_pages)
+
+
+def quest_page_scores_triton(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+                             num_pages: torch.Tensor) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`quest_page_scores_reference`."""
+    batch, q_heads, dim = query.shape
+    kv_heads = kmin.shape[1]
+    max_pages = pages.shape[1]
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if pages.stride(1) != 1:
+        pages = pages.contiguous()
+    kmin, kmax, num_pages = kmin.contiguous(), kmax.contiguous(), num_pages.contiguous()
+    out = torch.empty(batch, kv_heads, max_pages, dtype=torch.float32, device=query.device)
+    if out.numel() == 0:
+        return out
+    block_p = min(64, max(16, triton.next_power_of_2(max_pages)))
+    grid = (batch * kv_heads, triton.cdiv(max_pages, block_p))
+    _quest_scores_kernel[grid](
+        query, kmin, kmax, pages, num_pages, out, query.stride(0), query.stride(1), pages.stride(0),
+        out.stride(0), out.stride(1), max_pages, KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, HEAD_DIM=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_P=block_p,
+    )
+    return out
+
+
+def _fake(query, kmin, kmax, pages, num_pages):
+    return query.new_empty(query.shape[0], kmin.shape[1], pages.shape[1], dtype=torch.float32)
+
+
+quest_page_scores = define_op(
+    "quest_page_scores(Tensor query, Tensor kmin, Tensor kmax, Tensor pages, Tensor num_pages) -> Tensor",
+    cpu=quest_page_scores_reference,
+    cuda=quest_page_scores_triton if triton is not None else None,
+    fake=_fake,
+)

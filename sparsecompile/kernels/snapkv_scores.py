@@ -1,0 +1,61 @@
+"""``sparsecompile::snapkv_scores``: SnapKV's observation-window scores over an AttentionView.
+
+For each query head, the softmax probabilities (fp32) that the observation-window queries give to
+every slot of the view, summed over the window queries (SnapKV / KVCache-Factory sum; kvpress takes
+the mean, which ranks identically). Pooling, the GQA group average and the top-k live in the method
+(``methods/snapkv.py``): they are cheap and need the prompt layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_mass import attention_mass_reference, attention_mass_triton, triton
+from .library import define_op
+
+
+def snapkv_scores_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                            lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                            sliding_window: int) -> torch.Tensor:
+    """Torch reference.
+
+    Args:
+        query: ``[batch, q_heads, window, head_dim]`` the observation-window queries (RoPE applied).
+        k_pool, pos_pool: the pool (``[num_pages, kv_heads, page_size, head_dim]`` / ``[..., page_size]``).
+        index, lengths: the view (``[batch, kv_heads, entries]``, ``[batch, kv_heads]``).
+        q_positions: ``[batch, window]`` logical positions of the window queries (-1: no query).
+    Returns:
+        ``[batch, q_heads, entries * block_size]`` fp32, column ``j`` = the view's ``j``-th slot (0 past ``lengths``).
+    """
+    batch, q_heads = query.shape[:2]
+    width = index.shape[-1] * block_size
+    mass, _, _ = attention_mass_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                          sliding_window)
+    out = torch.zeros(batch, q_heads, width, dtype=torch.float32, device=query.device)
+    span = min(width, mass.shape[-1])
+    out[..., :span] = mass[..., :span]
+    return out
+
+
+def snapkv_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                         lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                         sliding_window: int) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`snapkv_scores_reference`."""
+    batch, q_heads = query.shape[:2]
+    out = torch.zeros(batch, q_heads, index.shape[-1] * block_size, dtype=torch.float32, device=query.device)
+    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                          sliding_window, per_head=True)
+    return out
+
+
+def _fake(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    return query.new_empty(query.shape[0], query.shape[1], index.shape[-1] * block_size, dtype=torch.float32)
+
+
+snapkv_scores = define_op(
+    "snapkv_scores(Tensor query, Tensor k_pool, Tensor pos_pool, Tensor index, Tensor lengths, Tensor q_positions, "
+    "int block_size, float scale, int sliding_window) -> Tensor",
+    cpu=snapkv_scores_reference,
+    cuda=snapkv_scores_triton if triton is not None else None,
+    fake=_fake,
+)

@@ -1,0 +1,344 @@
+"""Shared machinery of the eviction methods (``streamingllm``, ``snapkv``, ``pyramidkv``, ``h2o``).
+
+Budgets: every eviction method takes exactly one of ``budget`` (tokens kept per layer and KV head,
+protected tokens included) or ``ratio`` (that fraction of the prompt, ``int(n * ratio)`` as kvpress
+rounds it). A budget never drops below the method's protected tokens (window, sinks, recent) and a
+prompt no longer than its budget is kept whole.
+
+Host / device split (see ``runtime/cache_manager.py``): kept counts are functions of lengths and
+budgets only, so the host computes them in ``prepare_step`` (:meth:`EvictionRuntime.targets`), the
+device moves the kept entries to the front of each ``(row, layer)`` in ``finish_step``, and
+``commit_step`` truncates to the targets, which frees the pages. Device-side selection:
+
+* after a prompt (eager): :func:`select_keep` (top-k of a per-slot score, protected slots at +inf)
+  then :func:`compact_kept`, which keeps the kept entries in slot order (SnapKV pools by slot order);
+* during decode (compiled, no host sync): :func:`evict_and_fill` drops the ``count - budget`` lowest
+  scores and moves the few tail entries into the holes, so a step moves ``interval`` slots, not ``budget``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+from ..kernels import gather_slots
+from ..runtime.memory_oracle import MemoryOracle
+from .base import MethodConfig, MethodConfigError, SparseMethodRuntime
+
+if TYPE_CHECKING:
+    from ..models.support import ModelInfo
+    from ..runtime.cache_manager import CacheManager, KVLayout
+    from ..runtime.step import StepState
+
+INF = float("inf")
+
+
+@dataclass
+class EvictionConfig(MethodConfig):
+    """``budget`` (tokens kept per layer and KV head) or ``ratio`` (fraction of the prompt kept): exactly one."""
+
+    budget: int | None = None
+    ratio: float | None = None
+
+    method: ClassVar[str] = "eviction"
+
+    def protected(self) -> tuple[int, str]:
+        """The smallest budget and why (``budget`` below it is refused)."""
+        return 1, "one token"
+
+    def validate(self) -> None:
+        m = self.method
+        if (self.budget is None) == (self.ratio is None):
+            got = "both" if self.budget is not None else "neither"
+            raise MethodConfigError(f"{m}: pass exactly one of budget (tokens kept per layer) or ratio (fraction of "
+                                    f"the prompt kept, 0 < ratio <= 1); got {got}")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+                raise MethodConfigError(f"{m}: budget must be a positive number of tokens, got {self.budget!r}")
+            floor, why = self.protected()
+            if self.budget < floor:
+                raise MethodConfigError(f"{m}: budget={self.budget} is smaller than {why}; pass budget >= {floor}")
+        elif isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise MethodConfigError(f"{m}: ratio must be in (0, 1] (the fraction of the prompt kept), "
+                                    f"got {self.ratio!r}")
+
+    def budget_for(self, prompt_len: int) -> int:
+        """Tokens per layer for a prompt of ``prompt_len`` tokens (a shorter prompt is kept whole)."""
+        want = self.budget if self.budget is not None else int(prompt_len * self.ratio)
+        return max(want, self.protected()[0])
+
+
+def check_positive(method: str, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MethodConfigError(f"{method}: {name} must be a positive integer, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------- device helpers
+def resident(manager: CacheManager, layer: int, rows: torch.Tensor,
+             width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``width`` row-local slots of ``layer``.
+
+    Returns global slot ids per head ``[batch, kv_heads, width]`` (0 where invalid), ``valid [batch, 1, width]``
+    and logical positions ``[batch, kv_heads, width]`` (-1 where invalid).
+    """
+    slots, valid = manager.resident_slot_ids(layer, rows, width)
+    per_head = slots.clamp(min=0)[:, None, :].expand(-1, manager.layout.num_kv_heads, -1)
+    valid = valid[:, None, :]
+    pos = torch.where(valid, gather_slots(manager.pos_pool, per_head).long(), -1)
+    return per_head, valid, pos
+
+
+def recent_mask(pos: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+    """``[batch, kv_heads, width]``: the ``recent [batch]`` newest positions of each head (positions are consecutive
+    per row and the recent window is never evicted, so they are the positions above ``newest - recent``)."""
+    newest = pos.max(dim=-1, keepdim=True).values
+    return (pos >= 0) & (pos > newest - recent[:, None, None])
+
+
+def select_keep(scores: torch.Tensor, keep: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Per ``(row, head)``, the ``keep [batch]`` best slots of ``scores [batch, kv_heads, width]``, ascending.
+
+    Protected slots carry +inf, slots to drop for sure -inf. Returns ``[batch, kv_heads, k_max]`` row-local
+    slots, -1 past each row's ``keep``.
+    """
+    width = scores.shape[-1]
+    top = scores.topk(k_max, dim=-1).indices
+    ranked = torch.arange(k_max, device=scores.device) < keep[:, None, None]
+    idx = torch.where(ranked, top, width).sort(dim=-1).values
+    return torch.where(idx < width, idx, -1)
+
+
+def compact_kept(manager: CacheManager, layer: int, rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """Move the kept row-local slots ``kept [batch, kv_heads, k]`` (ascending, -1 padded) to slots ``0..``.
+
+    Order is preserved; rows or heads padded with -1 move nothing (the host then truncates with ``truncate``).
+    """
+    dst = torch.arange(kept.shape[-1], device=kept.device).expand_as(kept)
+    manager.move_slots(layer, rows, kept, torch.where(kept >= 0, dst, -1))
+
+
+def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
+                   count: torch.Tensor, evict: torch.Tensor, max_evict: int) -> None:
+    """Drop the ``evict [batch]`` lowest-scoring slots per head and refill the holes from the tail (traceable).
+
+    ``scores [batch, kv_heads, width]`` (+inf: protected), ``valid [batch, 1, width]``, ``count [batch]`` slots in
+    use, ``evict <= max_evict`` (static). Afterwards slots ``0..count-evict-1`` hold the kept entries; only
+    ``max_evict`` slots per head move, so this is cheap enough for every decode step.
+    """
+    m = min(max_evict, scores.shape[-1])
+    k = torch.arange(m, device=scores.device)
+    new_count = (count - evict)[:, None, None]
+    victims = torch.where(valid, scores, INF).topk(m, dim=-1, largest=False).indices  # [batch, kv_heads, m]
+    chosen = k < evict[:, None, None]
+    hole = chosen & (victims < new_count)
+    tail = (new_count + k).expand_as(victims)  # slots new_count .. count-1 (first `evict` of them)
+    is_victim = ((tail[..., :, None] == victims[..., None, :]) & chosen[..., None, :]).any(-1)
+    mover = chosen & ~is_victim
+
+    def packed(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        # The flagged values first, in order; -1 after (column m swallows the unflagged ones).
+        rank = torch.where(flags, flags.long().cumsum(-1) - 1, m)
+        out = torch.full((*values.shape[:-1], m + 1), -1, dtype=values.dtype, device=values.device)
+        return out.scatter(-1, rank, values)[..., :m]
+
+    dst, src = packed(hole, victims), packed(mover, tail)
+    ok = (dst >= 0) & (src >= 0)
+    manager.move_slots(layer, rows, torch.where(ok, src, -1), torch.where(ok, dst, -1))
+
+
+# ---------------------------------------------------------------------------------------------- runtime
+class EvictionRuntime(SparseMethodRuntime):
+    """Budget bookkeeping and physical eviction shared by the eviction methods.
+
+    Subclasses set :attr:`chunk_eviction` / :attr:`decode_interval` and implement :meth:`prefill_scores`
+    (and :meth:`decode_scores` when they evict during decode).
+    """
+
+    config: EvictionConfig
+    #: evict after every prefill chunk (H2O), not only after the prompt's last one
+    chunk_eviction: ClassVar[bool] = False
+
+    def __init__(self, config: EvictionConfig, model: ModelInfo) -> None:
+        super().__init__(config, model)
+        self._seen = np.zeros(0, dtype=np.int64)  # prompt tokens fed per row (host)
+        self._decode_budget = np.zeros(0, dtype=np.int64)  # per row, fixed when its prompt completes (host)
+        self._limits: torch.Tensor | None = None  # [max_seqs, 2] (budget, recent) per row, read by compiled decode
+        self._counts = np.zeros((0, 0), dtype=np.int64)  # this step's slot counts [batch, layers] (host)
+        self._targets = np.zeros((0, 0), dtype=np.int64)  # ... and what they become after finish_step
+
+    @property
+    def decode_interval(self) -> int:
+        """Evict during decode once a row holds ``budget + interval`` slots (0: decode only appends)."""
+        return 0
+
+    # ---- budgets (host)
+    def layer_budgets(self, prompt_len: int) -> list[int]:
+        """Budget per layer for a prompt of ``prompt_len`` tokens (a layer keeps ``min(prompt_len, budget)``)."""
+        return [self.config.budget_for(prompt_len)] * self.model.num_layers
+
+    def recent_tokens(self, budget: int) -> int:
+        """Protected newest tokens for a row whose budget is ``budget`` (H2O)."""
+        return 0
+
+    def targets(self, counts: np.ndarray, step: StepState) -> np.ndarray:
+        """Slot counts ``[batch, layers]`` after this step's eviction, from the counts before it."""
+        rows = step.row_ids
+        if step.is_prefill:
+            if not (step.is_last_chunk or self.chunk_eviction):
+                return counts
+            budgets = np.array([self.layer_budgets(int(self._seen[r])) for r in rows], dtype=np.int64)
+            return np.minimum(counts, budgets.reshape(counts.shape))
+        if not self.decode_interval:
+            return counts
+        budget = self._decode_budget[rows][:, None]
+        return np.where(counts >= budget + self.decode_interval, budget, counts)
+
+    # ---- lifecycle
+    def setup(self, manager: CacheManager) -> None:
+        self._fit_rows(manager)
+
+    def _fit_rows(self, manager: CacheManager) -> None:
+        """Per-row state sized to the manager's rows (they grow with ``CacheManager.grow``)."""
+        n = manager.max_seqs
+        if self._seen.shape[0] < n:
+            self._seen = np.pad(self._seen, (0, n - self._seen.shape[0]))
+            self._decode_budget = np.pad(self._decode_budget, (0, n - self._decode_budget.shape[0]))
+        if self._limits is None or self._limits.shape[0] < n:
+            limits = torch.zeros(n, 2, dtype=torch.int64, device=manager.layout.device)
+            if self._limits is not None:
+                limits[: self._limits.shape[0]] = self._limits
+            torch._dynamo.mark_static_address(limits)
+            self._limits = limits
+
+    def prepare_step(self, manager: CacheManager, step: StepState) -> None:
+        self._fit_rows(manager)
+        counts = manager.slot_count_array(step.row_ids)
+        if step.is_prefill:
+            fresh = [r for r, c, n in zip(step.row_ids, counts[:, 0], step.num_new_host) if c == n]
+            self._seen[fresh] = 0  # a row holding only this step's tokens starts a new sequence
+            self.reset_rows(fresh)
+            self._seen[step.row_ids] += step.num_new_host
+        self._counts, self._targets = counts, self.targets(counts, step)
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """Forget per-row method state of rows that start a new sequence (host)."""
+
+    def commit_step(self, manager: CacheManager, step: StepState) -> None:
+        for i, layer in zip(*np.nonzero(self._targets < self._counts)):
+            manager.truncate(step.row_ids[i], int(layer), int(self._targets[i, layer]))
+        if step.is_prefill and step.is_last_chunk:
+            self._prompt_done(step.row_ids)
+
+    def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
+        """Loaded KV counts as a compacted prompt of ``prompt_lengths`` tokens (it must fit the budgets)."""
+        self._fit_rows(manager)
+        self._seen[rows] = prompt_lengths
+        self.reset_rows(rows)
+        self._prompt_done(rows)
+
+    def _prompt_done(self, rows: list[int]) -> None:
+        """Fix each row's decode budget (and recent window) from its prompt length (host -> device)."""
+        if not self.decode_interval:
+            return
+        budgets = [self.layer_budgets(int(self._seen[r]))[0] for r in rows]
+        self._decode_budget[rows] = budgets
+        limits = torch.tensor([[b, self.recent_tokens(b)] for b in budgets], dtype=torch.int64)
+        self._limits[torch.tensor(rows)] = limits.to(self._limits.device)
+
+    def finish_step(self, manager: CacheManager, step: StepState) -> None:
+        if step.is_prefill:
+            self._evict_prefill(manager, step)
+        elif self.decode_interval:
+            self._evict_decode(manager, step)
+
+    def _evict_prefill(self, manager: CacheManager, step: StepState) -> None:
+        """Eager: per layer with a row over its target, keep the target's best slots in slot order."""
+        for layer in np.nonzero((self._targets < self._counts).any(0))[0].tolist():
+            counts, targets = self._counts[:, layer], self._targets[:, layer]
+            width = int(counts.max())
+            scores = self.prefill_scores(manager, step, layer, width)
+            slot = torch.arange(width, device=scores.device)
+            scores = torch.where(slot < torch.as_tensor(counts, device=scores.device)[:, None, None], scores, -INF)
+            keep = torch.as_tensor(targets, device=scores.device)
+            kept = select_keep(scores, keep, int(targets.max()))
+            active = torch.as_tensor(targets < counts, device=scores.device)[:, None, None]
+            compact_kept(manager, layer, step.rows, torch.where(active, kept, -1))
+
+    def _evict_decode(self, manager: CacheManager, step: StepState) -> None:
+        """Traceable: rows at ``budget + interval`` slots drop to ``budget`` (all inside the compiled step)."""
+        width = self.decode_width(manager)
+        budget = self._limits[step.rows, 0]
+        for layer in range(self.model.num_layers):
+            count = manager.lengths[step.rows, layer].long()
+            evict = torch.where(count >= budget + self.decode_interval, count - budget, 0)
+            slots, valid, pos = resident(manager, layer, step.rows, width)
+            scores = self.decode_scores(manager, step, layer, slots, pos)
+            evict_and_fill(manager, layer, step.rows, scores, valid, count, evict, self.decode_interval)
+
+    def decode_width(self, manager: CacheManager) -> int:
+        """Static slot width the decode eviction looks at (>= every row's count while decoding)."""
+        full = manager.max_pages_per_seq * manager.layout.page_size
+        if self.config.budget is None:
+            return full
+        page = manager.layout.page_size
+        return min(full, -(-(self.config.budget + self.decode_interval) // page) * page)
+
+    # ---- scores (device), implemented by subclasses
+    def prefill_scores(self, manager: CacheManager, step: StepState, layer: int, width: int) -> torch.Tensor:
+        """``[batch, kv_heads, width]`` score of each of the first ``width`` slots (+inf: always kept)."""
+        raise NotImplementedError
+
+    def decode_scores(self, manager: CacheManager, step: StepState, layer: int, slots: torch.Tensor,
+                      pos: torch.Tensor) -> torch.Tensor:
+        """Traceable: ``[batch, kv_heads, width]`` scores of the resident ``slots`` (+inf: protected)."""
+        raise NotImplementedError
+
+    def memory_oracle(self, layout: KVLayout) -> MemoryOracle:
+        decode_budget = (lambda n: self.layer_budgets(n)[0]) if self.decode_interval else None
+        return EvictionMemoryOracle(layout, lambda n: [min(n, b) for b in self.layer_budgets(n)], decode_budget,
+                                    max(1, self.decode_interval), self.chunk_eviction)
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+class EvictionMemoryOracle(MemoryOracle):
+    """Slots per layer of one sequence under an eviction method.
+
+    Prefill holds the prompt transiently: all of it, or with chunk-wise eviction at most the budget plus one
+    chunk (set ``prefill_chunk`` when the scheduler knows its chunk size; None = one forward per prompt).
+    After the prompt a layer keeps ``kept(n)[layer]`` slots. Decode then appends (``decode_budget`` None) or
+    grows to ``budget + interval`` slots and drops back to ``budget``.
+    """
+
+    def __init__(self, layout: KVLayout, kept: Callable[[int], list[int]],
+                 decode_budget: Callable[[int], int] | None = None, interval: int = 1, chunk_eviction: bool = False,
+                 prefill_chunk: int | None = None) -> None:
+        super().__init__(layout)
+        self.kept, self.decode_budget, self.interval = kept, decode_budget, interval
+        self.chunk_eviction, self.prefill_chunk = chunk_eviction, prefill_chunk
+
+    def _after(self, prompt_len: int, kept: int, generated: int, transient: bool) -> int:
+        """Slots after ``generated`` decode steps (``transient``: the most any of them held before its eviction)."""
+        total = kept + generated
+        if self.decode_budget is None:
+            return total
+        budget = self.decode_budget(prompt_len)
+        if total < budget + self.interval:
+            return total
+        return budget + self.interval if transient else budget + (total - budget) % self.interval
+
+    def peak_slots_per_layer(self, prompt_len: int, max_new_tokens: int) -> list[int]:
+        peaks = []
+        for kept in self.kept(prompt_len):
+            prefill = prompt_len
+            if self.chunk_eviction and self.prefill_chunk:
+                prefill = min(prompt_len, kept + self.prefill_chunk)
+            peaks.append(max(prefill, self._after(prompt_len, kept, max_new_tokens, transient=True)))
+        return peaks
+
+    def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
+        return [self._after(prompt_len, kept, generated, transient=False) for kept in self.kept(prompt_len)]

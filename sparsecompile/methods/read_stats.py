@@ -1,0 +1,63 @@
+"""Device-side bookkeeping shared by the dynamic-selection methods (Quest, OmniKV).
+
+They keep every token resident and only change what attention reads, so ``kv_stats`` reports the
+slots each layer read in the last decode step next to the resident ones. The count is written on
+the device inside the (compiled) decode step and read back on the host only when stats are asked.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..runtime.cache_manager import CacheManager
+    from ..runtime.step import StepState
+    from .base import LayerContext
+
+
+def grow_rows(buffer: torch.Tensor | None, rows: int, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device, fill: int = 0) -> torch.Tensor:
+    """A static ``[rows, *shape]`` runtime buffer, reallocated (keeping the old rows' contents) when it is too small.
+
+    The new tensor is marked as a static address so compiled / CUDA-graph decode steps can mutate it in place.
+    """
+    if buffer is not None and buffer.shape[0] >= rows and tuple(buffer.shape[1:]) == shape:
+        return buffer
+    fresh = torch.full((rows, *shape), fill, dtype=dtype, device=device)
+    if buffer is not None and tuple(buffer.shape[1:]) == shape:
+        fresh[: buffer.shape[0]] = buffer
+    torch._dynamo.mark_static_address(fresh)
+    return fresh
+
+
+class ReadCounter:
+    """Slots read per ``(sequence row, layer)`` in the row's last decode step (summed over KV heads)."""
+
+    def __init__(self) -> None:
+        self.read: torch.Tensor | None = None  # [max_seqs, layers] int64
+        self._decoded: set[int] = set()  # host: rows whose last step was a decode step
+
+    def prepare(self, manager: CacheManager, step: StepState) -> None:
+        """Host hook (``prepare_step``): size the buffer; a prefill step starts a row's count afresh."""
+        layout = manager.layout
+        self.read = grow_rows(self.read, manager.max_seqs, (layout.num_layers,), torch.int64, layout.device)
+        if step.is_prefill:
+            self._decoded.difference_update(step.row_ids)
+        else:
+            self._decoded.update(step.row_ids)
+
+    def record(self, ctx: LayerContext) -> None:
+        """Device hook (``on_attention_end``): store ``view.lengths [batch, kv_heads]`` summed over heads."""
+        if ctx.step.is_prefill or ctx.view is None or self.read is None:
+            return
+        self.read[ctx.step.rows, ctx.layer] = ctx.view.lengths.sum(dim=1).to(torch.int64)
+
+    def collect(self, rows: list[int]) -> dict[int, int] | None:
+        """Per layer, slots the last decode step read over ``rows`` (host sync), or None before any decode."""
+        decoded = [row for row in rows if row in self._decoded]
+        if self.read is None or not decoded:
+            return None
+        per_layer = self.read[torch.tensor(decoded, device=self.read.device)].sum(dim=0).tolist()
+        return dict(enumerate(int(n) for n in per_layer))

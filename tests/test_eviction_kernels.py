@@ -1,0 +1,118 @@
+"""Scoring ops of the eviction methods: ``snapkv_scores`` and ``h2o_accumulate`` against loop-by-loop math,
+their Triton kernels (interpreter on CPU) against the torch references at toy sizes, and opcheck."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsecompile.kernels import h2o_accumulate, h2o_accumulate_reference, snapkv_scores, snapkv_scores_reference
+from sparsecompile.kernels.library import triton_available
+
+NUM_PAGES, HEADS, PAGE, DIM, GROUP = 10, 2, 4, 16, 3
+
+
+def _pool(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(NUM_PAGES + 1, HEADS, PAGE, DIM, generator=g)
+    pos = torch.randint(-1, 40, (NUM_PAGES + 1, HEADS, PAGE), generator=g, dtype=torch.int32)
+    return k, pos
+
+
+def _case(block_size, entries, queries, seed=0):
+    """A view whose entries never repeat a slot within a (row, head) list (as real views)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    batch = 2
+    index = torch.stack([torch.stack([torch.randperm(NUM_PAGES * PAGE // block_size, generator=g)[:entries]
+                                      for _ in range(HEADS)]) for _ in range(batch)]).to(torch.int32)
+    lengths = torch.randint(0, entries * block_size + 1, (batch, HEADS), generator=g, dtype=torch.int32)
+    query = torch.randn(batch, HEADS * GROUP, queries, DIM, generator=g)
+    qpos = torch.randint(-1, 45, (batch, queries), generator=g)
+    return query, index, lengths, qpos
+
+
+def _naive_mass(query, k_pool, pos_pool, index, lengths, qpos, block_size, scale, window):
+    """``{(b, qh, column): summed probability}`` and the column -> global slot map, in float64 loops."""
+    batch, q_heads, queries, _ = query.shape
+    mass, slot_of = {}, {}
+    for b in range(batch):
+        for qh in range(q_heads):
+            h = qh // GROUP
+            for t in range(queries):
+                cols, logits = [], []
+                for j in range(int(lengths[b, h])):
+                    slot = int(index[b, h, j // block_size]) * block_size + j % block_size
+                    slot_of[b, h, j] = slot
+                    page, off = divmod(slot, PAGE)
+                    p, q_p = int(pos_pool[page, h, off]), int(qpos[b, t])
+                    if p < 0 or p > q_p or (window and p <= q_p - window):
+                        continue
+                    cols.append(j)
+                    logits.append(float(k_pool[page, h, off].double() @ query[b, qh, t].double()) * scale)
+                if cols:
+                    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+                    for j, p in zip(cols, probs.tolist()):
+                        mass[b, qh, j] = mass.get((b, qh, j), 0.0) + p
+    return mass, slot_of
+
+
+@pytest.mark.parametrize("block_size,entries", [(PAGE, 5), (1, 17)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_snapkv_scores_match_naive(block_size, entries, window):
+    k, pos = _pool()
+    query, index, lengths, qpos = _case(block_size, entries, 4)
+    got = snapkv_scores(query, k, pos, index, lengths, qpos, block_size, 0.3, window)
+    assert got.shape == (2, HEADS * GROUP, entries * block_size) and got.dtype == torch.float32
+    mass, _ = _naive_mass(query, k, pos, index, lengths, qpos, block_size, 0.3, window)
+    want = torch.zeros_like(got, dtype=torch.float64)
+    for (b, qh, j), value in mass.items():
+        want[b, qh, j] = value
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,entries", [(PAGE, 5), (1, 17)])
+def test_h2o_accumulate_matches_naive(block_size, entries):
+    k, pos = _pool(1)
+    query, index, lengths, qpos = _case(block_size, entries, 3, seed=1)
+    scores = torch.rand(NUM_PAGES + 1, HEADS, PAGE)
+    want = scores.double().clone()
+    h2o_accumulate(scores, query, k, pos, index, lengths, qpos, block_size, 0.25, 0)
+    mass, slot_of = _naive_mass(query, k, pos, index, lengths, qpos, block_size, 0.25, 0)
+    for (b, qh, j), value in mass.items():
+        h = qh // GROUP
+        page, off = divmod(slot_of[b, h, j], PAGE)
+        want[page, h, off] += value / GROUP  # mean over the query group
+    torch.testing.assert_close(scores.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck_eviction_ops():
+    k, pos = _pool()
+    query, index, lengths, qpos = _case(PAGE, 5, 3)
+    torch.library.opcheck(torch.ops.sparsecompile.snapkv_scores.default,
+                          (query, k, pos, index, lengths, qpos, PAGE, 0.25, 0))
+    torch.library.opcheck(torch.ops.sparsecompile.h2o_accumulate.default,
+                          (torch.zeros(NUM_PAGES + 1, HEADS, PAGE), query, k, pos, index, lengths, qpos, PAGE, 0.25, 3))
+
+
+triton_only = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+@triton_only
+@pytest.mark.parametrize("block_size,entries,queries,window", [(PAGE, 5, 1, 0), (1, 17, 6, 5), (PAGE, 3, 7, 0)])
+def test_triton_eviction_ops_match_reference(block_size, entries, queries, window):
+    from sparsecompile.kernels.h2o_scores import h2o_accumulate_triton
+    from sparsecompile.kernels.snapkv_scores import snapkv_scores_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k, pos = (t.to(device) for t in _pool(3))
+    query, index, lengths, qpos = (t.to(device) for t in _case(block_size, entries, queries, seed=3))
+    args = (k, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM), window)
+    torch.testing.assert_close(snapkv_scores_triton(query, *args), snapkv_scores_reference(query, *args),
+                               atol=1e-5, rtol=1e-5)
+    want, got = (torch.rand(NUM_PAGES + 1, HEADS, PAGE, generator=torch.Generator().manual_seed(0)).to(device)
+                 for _ in range(2))
+    h2o_accumulate_reference(want, query, *args)
+    h2o_accumulate_triton(got, query, *args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,154 @@
+"""Selection ops (Quest page scores, OmniKV token scores, top-k select): references against naive loops,
+Triton kernels (interpreter on CPU) against the references at toy sizes, and torch.library.opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsecompile.kernels import omnikv_scores, quest_page_scores, topk_select
+from sparsecompile.kernels.library import triton_available
+from sparsecompile.kernels.omnikv_scores import omnikv_scores_reference
+from sparsecompile.kernels.quest_scores import quest_page_scores_reference
+from sparsecompile.kernels.topk_select import topk_select_reference
+
+POOL, HEADS, GROUP, PAGE, DIM = 12, 2, 3, 4, 8
+triton_only = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _quest_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kmin = torch.randn(POOL, HEADS, DIM, generator=g)
+    kmax = kmin + torch.rand(POOL, HEADS, DIM, generator=g)
+    query = torch.randn(3, HEADS * GROUP, DIM, generator=g)
+    pages = torch.stack([torch.randperm(POOL, generator=g)[:5] for _ in range(3)]).to(torch.int32)
+    num = torch.tensor([5, 2, 1])
+    return query, kmin, kmax, pages, num
+
+
+def _naive_quest(query, kmin, kmax, pages, num):
+    out = torch.full((query.shape[0], HEADS, pages.shape[1]), float("-inf"), dtype=torch.float64)
+    for b in range(query.shape[0]):
+        for h in range(HEADS):
+            for j in range(int(num[b])):
+                p = int(pages[b, j])
+                per_head = [sum(max(float(query[b, qh, c] * kmin[p, h, c]), float(query[b, qh, c] * kmax[p, h, c]))
+                                for c in range(DIM)) for qh in range(h * GROUP, (h + 1) * GROUP)]
+                out[b, h, j] = max(per_head)  # GQA: max over the group's query heads
+    return out
+
+
+def test_quest_scores_match_formula():
+    case = _quest_case()
+    got = quest_page_scores(*case)
+    assert got.shape == (3, HEADS, 5) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _naive_quest(*case), atol=1e-5, rtol=1e-5)
+
+
+def test_quest_score_bounds_every_logit_and_groups_by_max():
+    """The page score upper-bounds q.k of every key in the page; a page only one query head likes ranks first."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(POOL, HEADS, PAGE, DIM, generator=g)
+    kmin, kmax = keys.amin(2), keys.amax(2)
+    query = torch.randn(1, HEADS * GROUP, DIM, generator=g)
+    pages = torch.arange(POOL, dtype=torch.int32)[None]
+    scores = quest_page_scores(query, kmin, kmax, pages, torch.tensor([POOL]))
+    logits = torch.einsum("hgd,phsd->hgps", query[0].view(HEADS, GROUP, DIM), keys)  # [h, g, page, slot]
+    assert (scores[0] + 1e-5 >= logits.amax(dim=(1, 3))).all()
+    # Page 0: high for query head 0 only; page 1: moderately high for the two other heads of the group.
+    kmin2, kmax2 = torch.zeros(2, 1, 2), torch.zeros(2, 1, 2)
+    kmax2[0, 0, 0] = kmin2[0, 0, 0] = 6.0
+    kmax2[1, 0, 1] = kmin2[1, 0, 1] = 4.0
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]])  # 3 query heads, one KV head
+    s = quest_page_scores(q, kmin2, kmax2, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2]))
+    assert s[0, 0].tolist() == [6.0, 4.0]  # max over the group: page 0 first (a sum, 6 vs 8, would pick page 1)
+
+
+def test_omnikv_scores_match_naive():
+    g = torch.Generator().manual_seed(1)
+    k_pool = torch.randn(POOL, HEADS, PAGE, DIM, generator=g)
+    query = torch.randn(2, HEADS * GROUP, DIM, generator=g)
+    pages = torch.tensor([[3, 7, 1], [0, 11, 5]], dtype=torch.int32)
+    limit = torch.tensor([9, 4])
+    got = omnikv_scores(query, k_pool, pages, limit)
+    assert got.shape == (2, 3 * PAGE)
+    for b in range(2):
+        for j in range(3 * PAGE):
+            if j >= int(limit[b]):
+                assert got[b, j] == float("-inf")
+                continue
+            page, off = int(pages[b, j // PAGE]), j % PAGE
+            want = max(float(query[b, qh] @ k_pool[page, qh // GROUP, off]) for qh in range(HEADS * GROUP))
+            assert abs(float(got[b, j]) - want) < 1e-5
+
+
+def _naive_topk(scores, counts, k):
+    out = torch.full((*scores.shape[:2], k), -1, dtype=torch.int64)
+    for b in range(scores.shape[0]):
+        for h in range(scores.shape[1]):
+            row = scores[b, h].tolist()
+            order = sorted(range(len(row)), key=lambda i: (-row[i], i))  # ties: lower index first
+            keep = sorted(order[:max(0, min(int(counts[b, h]), k, len(row)))])
+            out[b, h, :len(keep)] = torch.tensor(keep, dtype=torch.int64)
+    return out
+
+
+def _topk_case(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, n, generator=g)
+    scores[0, 0, : min(5, n)] = 0.5  # ties
+    scores[1, 1, n // 2] = float("inf")
+    scores[1, 2, -2:] = float("-inf")
+    return scores
+
+
+@pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (40, 40)])
+def test_topk_select_reference_matches_naive(n, k):
+    scores = _topk_case(n, n)
+    counts = torch.tensor([[0, 3, k], [1, k + 4, 2]])
+    got = topk_select(scores, counts, k)
+    assert got.shape == (2, 3, k) and got.dtype == torch.int64
+    assert torch.equal(got, _naive_topk(scores, counts, k))
+
+
+def test_opcheck_selection_ops():
+    torch.library.opcheck(torch.ops.sparsecompile.quest_page_scores.default, _quest_case())
+    k_pool = torch.randn(POOL, HEADS, PAGE, DIM)
+    pages = torch.tensor([[3, 7], [0, 1]], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sparsecompile.omnikv_scores.default,
+                          (torch.randn(2, HEADS * GROUP, DIM), k_pool, pages, torch.tensor([5, 8])))
+    torch.library.opcheck(torch.ops.sparsecompile.topk_select.default,
+                          (torch.randn(2, 3, 10), torch.tensor([[1, 2, 3], [0, 10, 4]]), 6))
+
+
+@triton_only
+def test_triton_quest_scores_match_reference():
+    from sparsecompile.kernels.quest_scores import quest_page_scores_triton
+
+    case = [t.to(DEVICE) for t in _quest_case(5)]
+    torch.testing.assert_close(quest_page_scores_triton(*case), quest_page_scores_reference(*case),
+                               atol=1e-5, rtol=1e-5)
+
+
+@triton_only
+def test_triton_omnikv_scores_match_reference():
+    from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton
+
+    g = torch.Generator().manual_seed(2)
+    k_pool = torch.randn(POOL, HEADS, PAGE, DIM, generator=g).to(DEVICE)
+    query = torch.randn(2, HEADS * GROUP, DIM, generator=g).to(DEVICE)
+    pages = torch.tensor([[3, 7, 1, 4, 2], [0, 11, 5, 6, 8]], dtype=torch.int32, device=DEVICE)
+    limit = torch.tensor([17, 6], device=DEVICE)
+    torch.testing.assert_close(omnikv_scores_triton(query, k_pool, pages, limit),
+                               omnikv_scores_reference(query, k_pool, pages, limit), atol=1e-5, rtol=1e-5)
+
+
+@triton_only
+@pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
+def test_triton_topk_select_matches_reference(n, k):
+    from sparsecompile.kernels.topk_select import topk_select_triton
+
+    scores = _topk_case(n, n + 1).to(DEVICE)
+    counts = torch.tensor([[0, 3, k], [1, k + 4, 2]], device=DEVICE)
+    assert torch.equal(topk_select_triton(scores, counts, k), topk_select_reference(scores, counts, k))
