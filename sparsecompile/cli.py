@@ -58,7 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in sorted(_method_option_types().items()):
         method.add_argument(f"--{name.replace('_', '-')}", dest=f"method_{name}", default=None,
                             type=_parse_bool if kind is bool else kind)
+    bench = sub.add_parser("bench", help="decode benchmark against the HBM roofline (runs benchmarks/decode.py; "
+                                         "CUDA only; pass its options after 'bench', e.g. --grid quick)",
+                           add_help=False)
+    bench.add_argument("args", nargs=argparse.REMAINDER)  # parsed by benchmarks/decode.py itself
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode.py"
+    if not script.exists():
+        raise FileNotFoundError(f"sparsecompile bench runs {script}, which needs a source checkout of sparsecompile")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -108,11 +124,16 @@ def _cache_key(out) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
+    if argv[:1] == ["bench"]:
+        return _bench(argparse.Namespace(args=argv[1:]))
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
     except (ValueError, FileNotFoundError, TypeError) as err:
         parser.exit(2, f"sparsecompile: error: {err}\n")
     return 1
