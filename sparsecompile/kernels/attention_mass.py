@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_attention import gather_slots, view_slots, visibility
+from .paged_attention import gather_slots, launch_inputs, view_slots, visibility
 
 try:
     import triton
@@ -150,11 +150,7 @@ def attention_mass_triton(out: torch.Tensor, query: torch.Tensor, k_pool: torch.
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
     group = q_heads // kv_heads
-    if query.stride(3) != 1:
-        query = query.contiguous()
-    if index.stride(2) != 1:
-        index = index.contiguous()
-    q_positions = q_positions.contiguous()
+    query, index, q_positions = launch_inputs(query, index, q_positions)
     block_m = 16 if queries * group <= 16 else 64
     grid = (triton.cdiv(queries * group, block_m), batch * kv_heads)
     _attention_mass_kernel[grid](

@@ -228,6 +228,16 @@ DECODE_SHORT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_p
 PREFILL_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 
 
+def launch_inputs(query: torch.Tensor, index: torch.Tensor,
+                  q_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels index the last dim of ``query`` / ``index`` and all of ``q_positions`` densely."""
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    if index.stride(2) != 1:
+        index = index.contiguous()
+    return query, index, q_positions.contiguous()
+
+
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
@@ -240,11 +250,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
     group = q_heads // kv_heads
-    if query.stride(3) != 1:
-        query = query.contiguous()
-    if index.stride(2) != 1:
-        index = index.contiguous()
-    q_positions = q_positions.contiguous()
+    query, index, q_positions = launch_inputs(query, index, q_positions)
     out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = 16 if queries * group <= 16 else 64
     m_blocks = triton.cdiv(queries * group, block_m)
