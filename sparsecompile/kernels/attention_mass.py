@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_attention import gather_slots, launch_inputs, view_slots, visibility
+from .paged_attention import gather_slots, launch_inputs, used_view_slots, visibility
 
 try:
     import triton
@@ -41,10 +41,7 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
     batch, q_heads, queries, head_dim = query.shape
     kv_heads = k_pool.shape[1]
     group = q_heads // kv_heads
-    # Read only as far as the longest list (a host sync is fine: this op is opaque to the compiler).
-    span = int(lengths.max()) if lengths.numel() else 0
-    entries = max(1, -(-span // block_size))
-    slots, valid = view_slots(index[..., :entries], lengths, block_size)
+    slots, valid = used_view_slots(index, lengths, block_size)
     keys_t = gather_slots(k_pool, slots).float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, dim, slots]
     kpos = gather_slots(pos_pool, slots)
     q = query.float().reshape(batch, kv_heads, group, queries, head_dim)
@@ -62,6 +59,26 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
 
 
 if triton is not None:
+
+    @triton.jit
+    def _score_tile(q, qpos, K, POS, INDEX, h, j, jmask, d, dmask, scale, window, KV_HEADS: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+        """Scaled logits ``[rows, BLOCK_N]`` (fp32) of the view slots ``j`` of one (sequence, kv_head), their
+        visibility and pool rows; ``INDEX`` points at this list's entries."""
+        entry = tl.load(INDEX + j // BLOCK, mask=jmask, other=0)
+        slot = entry.to(tl.int64) * BLOCK + j % BLOCK
+        base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
+        k = tl.load(K + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = (s.to(tl.float32) * scale).to(tl.float32)
+        vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        if window > 0:
+            vis = vis & (kpos[None, :] > qpos[:, None] - window)
+        return s, vis, base
 
     @triton.jit
     def _attention_mass_kernel(Q, K, POS, INDEX, LENGTHS, QPOS, OUT,
@@ -92,19 +109,8 @@ if triton is not None:
         for start in range(0, length, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             jmask = j < length
-            entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
-            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-            k = tl.load(K + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = (s.to(tl.float32) * scale).to(tl.float32)
-            vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-            if window > 0:
-                vis = vis & (kpos[None, :] > qpos[:, None] - window)
+            s, vis, _ = _score_tile(q, qpos, K, POS, INDEX + b * stride_ib + h * stride_ih, h, j, jmask, d, dmask,
+                                       scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -115,19 +121,8 @@ if triton is not None:
         for start in range(0, length, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             jmask = j < length
-            entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
-            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-            k = tl.load(K + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = (s.to(tl.float32) * scale).to(tl.float32)
-            vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-            if window > 0:
-                vis = vis & (kpos[None, :] > qpos[:, None] - window)
+            s, vis, base = _score_tile(q, qpos, K, POS, INDEX + b * stride_ib + h * stride_ih, h, j, jmask, d, dmask,
+                                       scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
             p = tl.where(vis, tl.exp(s - m_safe[:, None]) * inv[:, None], 0.0)
             if PER_HEAD:  # OUT [batch, q_heads, width]: one column sum per head of the group
                 for g in tl.static_range(GROUP):

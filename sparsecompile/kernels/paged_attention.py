@@ -44,6 +44,12 @@ def view_slots(index: torch.Tensor, lengths: torch.Tensor, block_size: int) -> t
     return torch.where(valid, slots, torch.zeros_like(slots)), valid
 
 
+def used_view_slots(index: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`view_slots` cut at the longest list (a host sync: for the opaque torch references only)."""
+    span = int(lengths.max()) if lengths.numel() else 0
+    return view_slots(index[..., : max(1, -(-span // block_size))], lengths, block_size)
+
+
 def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Read ``pool [num_pages, kv_heads, page_size, *rest]`` at ``slots [batch, kv_heads, n]``.
 
@@ -80,10 +86,7 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
     batch, q_heads, queries, head_dim = query.shape
     kv_heads = k_pool.shape[1]
     group = q_heads // kv_heads
-    # Read only as far as the longest list (a host sync is fine here: this op is opaque to the compiler).
-    span = int(lengths.max()) if lengths.numel() else 0
-    entries = max(1, -(-span // block_size))
-    slots, valid = view_slots(index[..., :entries], lengths, block_size)
+    slots, valid = used_view_slots(index, lengths, block_size)
     # The reference computes in fp32 (a bf16 SDPA with a boolean mask was seen off by up to 3.7 on CUDA).
     keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, slots, head_dim]
     values = gather_slots(v_pool, slots).float()
