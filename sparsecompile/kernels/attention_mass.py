@@ -110,7 +110,7 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             jmask = j < length
             s, vis, _ = _score_tile(q, qpos, K, POS, INDEX + b * stride_ib + h * stride_ih, h, j, jmask, d, dmask,
-                                       scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
+                                    scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,7 +122,7 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             jmask = j < length
             s, vis, base = _score_tile(q, qpos, K, POS, INDEX + b * stride_ib + h * stride_ih, h, j, jmask, d, dmask,
-                                       scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
+                                    scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
             p = tl.where(vis, tl.exp(s - m_safe[:, None]) * inv[:, None], 0.0)
             if PER_HEAD:  # OUT [batch, q_heads, width]: one column sum per head of the group
                 for g in tl.static_range(GROUP):
