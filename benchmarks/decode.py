@@ -48,6 +48,8 @@ METHOD_OPTIONS = {
     "streamingllm": {"budget": 2048},
 }
 
+PROFILE_STEPS = 4  # decode steps recorded by torch.profiler after a timed window
+
 GRIDS = {
     "default": [(32768, 1), (32768, 16), (131072, 1), (131072, 4)],
     "quick": [(32768, 1), (32768, 16)],
@@ -115,9 +117,10 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
     patched = model.__dict__["_sparsecompile"]
     controller = patched.controller
     # The pool holds what the method keeps after prefill (the prompt itself is never materialised here).
-    per_seq = controller.oracle.resident_slots_per_layer(context, warmup + steps)
+    generated = warmup + steps + PROFILE_STEPS
+    per_seq = controller.oracle.resident_slots_per_layer(context, generated)
     controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
-    cache = SparseCache(controller, expected_new_tokens=warmup + steps)
+    cache = SparseCache(controller, expected_new_tokens=generated)
     torch.cuda.reset_peak_memory_stats()
     try:
         rows = cache.allocate(batch, context)
@@ -165,7 +168,7 @@ def _timed_window(step, warmup: int, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def _profile(step, path: str, steps: int = 4) -> None:
+def _profile(step, path: str, steps: int = PROFILE_STEPS) -> None:
     """Where a decode step's GPU time goes: the top kernels of a few profiled steps."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -324,6 +327,7 @@ def plot(points: list[Point], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", default="default", choices=sorted(GRIDS))
+    parser.add_argument("--points", default="", help="CONTEXTxBATCH,... instead of the grid's points")
     parser.add_argument("--methods", default="vanilla,quest,omnikv,snapkv")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
     parser.add_argument("--hf-static", default="32768x1", help="points for the StaticCache+compile baseline")
@@ -333,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--profile", default="32768x1", help="engine points profiled with torch.profiler")
     parser.add_argument("--prefill", default="vanilla,snapkv,h2o", help="methods whose 32K chunked prefill is timed")
+    parser.add_argument("--tag", default="", help="suffix of the result files (decode<TAG>.jsonl / .png)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     wbytes = weight_bytes(model)
     methods = [m for m in args.methods.split(",") if m in sparsecompile.available_methods()]
     results: list[Point] = []
-    out = open(os.path.join(args.out, "decode.jsonl"), "w")
+    out = open(os.path.join(args.out, f"decode{args.tag}.jsonl"), "w")
 
     def emit(point: Point) -> None:
         results.append(point)
@@ -355,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write(json.dumps({"bandwidth": bw, "weight_bytes": wbytes, "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name()}) + "\n")
     profiled = {tuple(int(x) for x in p.split("x")) for p in args.profile.split(",") if p}
+    points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",") if p] or GRIDS[args.grid]
     for method in methods:
-        for context, batch in GRIDS[args.grid]:
+        for context, batch in points:
             path = (os.path.join(args.out, f"profile_{method}_{context // 1024}k_b{batch}.txt")
                     if (context, batch) in profiled else None)
             emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth, path))
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if not args.no_hf:
         static = {tuple(int(x) for x in s.split("x")) for s in args.hf_static.split(",") if s}
-        for context, batch in GRIDS[args.grid]:
+        for context, batch in points:
             emit(hf_point(model, "dynamic", context, batch, args.warmup, args.steps, wbytes, bandwidth))
             gc.collect()
             torch.cuda.empty_cache()
@@ -387,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     out.close()
-    plot(results, os.path.join(args.out, "decode.png"))
+    plot(results, os.path.join(args.out, f"decode{args.tag}.png"))
     return 0
 
 

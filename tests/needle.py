@@ -13,13 +13,13 @@ import re
 
 import torch
 
-_AUSTEN = os.path.join(os.path.dirname(__file__), "data", "emma_chapters.txt")
+AUSTEN_TEXT = os.path.join(os.path.dirname(__file__), "data", "emma_chapters.txt")
 
 
 @functools.cache
 def _filler_paragraphs(source: str) -> tuple[str, ...]:
     if source == "austen":
-        with open(_AUSTEN, encoding="utf-8") as handle:
+        with open(AUSTEN_TEXT, encoding="utf-8") as handle:
             text = handle.read().split("\n\n", 1)[1]  # drop the attribution line
         return tuple(p.strip().replace("\n", " ") for p in text.split("\n\n") if len(p.strip()) > 40)
     if source == "pydoc":

@@ -120,6 +120,21 @@ def test_opcheck_selection_ops():
                           (torch.randn(2, HEADS * GROUP, DIM), k_pool, pages, torch.tensor([5, 8])))
     torch.library.opcheck(torch.ops.sparsecompile.topk_select.default,
                           (torch.randn(2, 3, 10), torch.tensor([[1, 2, 3], [0, 10, 4]]), 6))
+    torch.library.opcheck(torch.ops.sparsecompile.page_minmax_update.default,
+                          (torch.randn(POOL + 1, HEADS, DIM), torch.randn(POOL + 1, HEADS, DIM),
+                           torch.randn(2, HEADS, 3, DIM), torch.tensor([[0, 1, -1], [PAGE * 2, -1, -1]]), PAGE))
+
+
+def test_page_minmax_update_resets_first_slots_and_folds_the_rest():
+    from sparsecompile.kernels.quest_scores import page_minmax_update
+
+    kmin, kmax = torch.zeros(POOL + 1, HEADS, DIM), torch.zeros(POOL + 1, HEADS, DIM)
+    key = torch.randn(1, HEADS, 3, DIM)
+    page_minmax_update(kmin, kmax, key, torch.tensor([[PAGE * 2, PAGE * 2 + 1, -1]]), PAGE)
+    assert torch.equal(kmin[2], torch.minimum(key[0, :, 0], key[0, :, 1]))  # the stale zeros were reset
+    assert torch.equal(kmax[2], torch.maximum(key[0, :, 0], key[0, :, 1]))
+    assert torch.equal(kmin[:2], torch.zeros(2, HEADS, DIM)) and torch.equal(kmin[3:POOL], torch.zeros(POOL - 3, HEADS,
+                                                                                                      DIM))
 
 
 @triton_only
@@ -145,10 +160,12 @@ def test_triton_omnikv_scores_match_reference():
 
 
 @triton_only
+@pytest.mark.parametrize("max_tile", [16384, 8], ids=["one-tile", "streamed"])
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
-def test_triton_topk_select_matches_reference(n, k):
+def test_triton_topk_select_matches_reference(n, k, max_tile):
     from sparsecompile.kernels.topk_select import topk_select_triton
 
     scores = _topk_case(n, n + 1).to(DEVICE)
     counts = torch.tensor([[0, 3, k], [1, k + 4, 2]], device=DEVICE)
-    assert torch.equal(topk_select_triton(scores, counts, k), topk_select_reference(scores, counts, k))
+    got = topk_select_triton(scores, counts, k, max_tile=max_tile)
+    assert torch.equal(got, topk_select_reference(scores, counts, k))

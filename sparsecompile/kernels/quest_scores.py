@@ -108,3 +108,42 @@ quest_page_scores = define_op(
     cuda=quest_page_scores_triton if triton is not None else None,
     fake=_fake,
 )
+
+
+def page_minmax_update_reference(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor, slots: torch.Tensor,
+                                 page_size: int) -> None:
+    """Fold new keys into their pages' per-channel key minimum / maximum (in place; no host sync).
+
+    Args:
+        kmin, kmax: ``[pool_pages + 1, kv_heads, head_dim]``; the last page is the pool's trash page, which absorbs
+            padding so that every shape stays static.
+        key: ``[batch, kv_heads, tokens, head_dim]`` new keys.
+        slots: ``[batch, tokens]`` int64 global slot ids of the new keys (-1 = padding). A key landing on its
+            page's first slot resets that page's summary (pages are reused after eviction or release).
+
+    One op rather than inline torch code: inside a compiled decode graph, functionalising ``scatter_reduce_``
+    on the pool-sized summaries made inductor copy them whole every layer; an op with declared mutations keeps
+    the update in place (its cost is the new keys, not the pool).
+    """
+    kv_heads, dim = kmin.shape[1], kmin.shape[2]
+    trash_page = kmin.shape[0] - 1
+    flat = slots.reshape(-1)
+    valid = flat >= 0
+    trash = torch.full_like(flat, trash_page)
+    page = torch.where(valid, flat // page_size, trash)
+    first = torch.where(valid & (flat % page_size == 0), page, trash)
+    keys = key.transpose(1, 2).reshape(-1, kv_heads, dim).to(kmin.dtype)  # [batch * tokens, kv_heads, head_dim]
+    kmin.index_put_((first,), torch.full_like(keys, float("inf")))
+    kmax.index_put_((first,), torch.full_like(keys, float("-inf")))
+    index = page[:, None, None].expand(-1, kv_heads, dim).contiguous()  # a stride-0 index hits a slow CPU path
+    kmin.scatter_reduce_(0, index, keys, reduce="amin", include_self=True)
+    kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
+
+
+def _page_minmax_update_fake(kmin, kmax, key, slots, page_size) -> None:
+    return None
+
+
+page_minmax_update = define_op(
+    "page_minmax_update(Tensor(a!) kmin, Tensor(b!) kmax, Tensor key, Tensor slots, int page_size) -> ()",
+    cpu=page_minmax_update_reference, cuda=page_minmax_update_reference, fake=_page_minmax_update_fake)

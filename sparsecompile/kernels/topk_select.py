@@ -9,8 +9,8 @@ so the selection is deterministic (unlike ``torch.topk``). Callers force an entr
 
 On CUDA a Triton kernel does a radix select (32 one-bit passes over the row find the ``count``-th
 largest score, then one ordered pass writes the winners with a running prefix sum): no sort, and the
-output is ascending by construction. Cost is ``O(33 * n)`` reads per row in one program, which is
-small next to the attention it saves for the page / slot counts used here.
+output is ascending by construction. A row of up to 16K scores is loaded once and every pass runs
+from registers; longer rows stream ``O(33 * n)`` reads in one program.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ if triton is not None:
 
     @triton.jit
     def _topk_select_kernel(S, C, OUT, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
-                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
         pid = tl.program_id(0)
         b = pid // HEADS
         h = pid % HEADS
@@ -68,53 +68,74 @@ if triton is not None:
         count = tl.load(C + b * stride_cb + h * stride_ch).to(tl.int64)
         count = tl.minimum(tl.maximum(count, 0), tl.minimum(k_out, n))
         offs = tl.arange(0, BLOCK)
-        # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key.
-        thr = tl.zeros([], dtype=tl.int64)
-        for i in range(32):
-            cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
-            total = tl.zeros([], dtype=tl.int64)
+        if ONE_TILE:
+            # The whole row fits one tile: load it once and run every pass from registers.
+            valid = offs < n
+            key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
+            thr = tl.zeros([], dtype=tl.int64)
+            for i in range(32):
+                cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
+                thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int64), 0) >= count, cand, thr)
+            ties = count - tl.sum((valid & (key > thr)).to(tl.int64), 0)
+            is_eq = (valid & (key == thr)).to(tl.int64)
+            take = (valid & (key > thr)) | ((is_eq > 0) & (tl.cumsum(is_eq, 0) - is_eq < ties))
+            take_i = tl.where(take & (count > 0), 1, 0).to(tl.int64)
+            tl.store(out + tl.cumsum(take_i, 0) - take_i, offs.to(tl.int64), mask=take_i > 0)
+            written = tl.sum(take_i, 0)
+        else:
+            # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key.
+            thr = tl.zeros([], dtype=tl.int64)
+            for i in range(32):
+                cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
+                total = tl.zeros([], dtype=tl.int64)
+                for start in range(0, n, BLOCK):
+                    idx = start + offs
+                    key = _order_key(tl.load(row + idx, mask=idx < n, other=0.0).to(tl.float32))
+                    total += tl.sum(((idx < n) & (key >= cand)).to(tl.int64), 0)
+                thr = tl.where(total >= count, cand, thr)
+            greater = tl.zeros([], dtype=tl.int64)
             for start in range(0, n, BLOCK):
                 idx = start + offs
                 key = _order_key(tl.load(row + idx, mask=idx < n, other=0.0).to(tl.float32))
-                total += tl.sum(((idx < n) & (key >= cand)).to(tl.int64), 0)
-            thr = tl.where(total >= count, cand, thr)
-        greater = tl.zeros([], dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            idx = start + offs
-            key = _order_key(tl.load(row + idx, mask=idx < n, other=0.0).to(tl.float32))
-            greater += tl.sum(((idx < n) & (key > thr)).to(tl.int64), 0)
-        ties = count - greater  # keys equal to the threshold still to take, lowest index first
-        written = tl.zeros([], dtype=tl.int64)
-        tie_seen = tl.zeros([], dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            idx = start + offs
-            valid = idx < n
-            key = _order_key(tl.load(row + idx, mask=valid, other=0.0).to(tl.float32))
-            is_eq = (valid & (key == thr)).to(tl.int64)
-            tie_rank = tie_seen + tl.cumsum(is_eq, 0) - is_eq
-            take = (valid & (key > thr)) | ((is_eq > 0) & (tie_rank < ties))
-            take_i = tl.where(take & (count > 0), 1, 0).to(tl.int64)
-            dst = written + tl.cumsum(take_i, 0) - take_i
-            tl.store(out + dst, idx.to(tl.int64), mask=take_i > 0)
-            written += tl.sum(take_i, 0)
-            tie_seen += tl.sum(is_eq, 0)
+                greater += tl.sum(((idx < n) & (key > thr)).to(tl.int64), 0)
+            ties = count - greater  # keys equal to the threshold still to take, lowest index first
+            written = tl.zeros([], dtype=tl.int64)
+            tie_seen = tl.zeros([], dtype=tl.int64)
+            for start in range(0, n, BLOCK):
+                idx = start + offs
+                valid = idx < n
+                key = _order_key(tl.load(row + idx, mask=valid, other=0.0).to(tl.float32))
+                is_eq = (valid & (key == thr)).to(tl.int64)
+                tie_rank = tie_seen + tl.cumsum(is_eq, 0) - is_eq
+                take = (valid & (key > thr)) | ((is_eq > 0) & (tie_rank < ties))
+                take_i = tl.where(take & (count > 0), 1, 0).to(tl.int64)
+                dst = written + tl.cumsum(take_i, 0) - take_i
+                tl.store(out + dst, idx.to(tl.int64), mask=take_i > 0)
+                written += tl.sum(take_i, 0)
+                tie_seen += tl.sum(is_eq, 0)
         for start in range(0, k_out, BLOCK):
             idx = start + offs
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
 
 
-def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-    """Triton launch with the semantics of :func:`topk_select_reference`."""
+def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`topk_select_reference`.
+
+    Rows of up to ``max_tile`` scores are loaded once into one tile and the 33 passes run from registers;
+    longer rows stream through tiles of 1024 scores on every pass.
+    """
     batch, heads, n = scores.shape
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(batch, heads, k, dtype=torch.int64, device=scores.device)
     if batch * heads == 0 or k == 0:
         return out
-    block = min(1024, max(16, triton.next_power_of_2(max(n, k))))
+    one_tile = n <= max_tile
+    block = max(16, triton.next_power_of_2(max(n, k))) if one_tile else 1024
     _topk_select_kernel[(batch * heads,)](
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
-        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block,
+        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, ONE_TILE=one_tile,
+        num_warps=8 if block >= 4096 else 4,
     )
     return out
 

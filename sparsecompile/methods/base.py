@@ -91,7 +91,9 @@ class SparseMethodRuntime:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
-    #: How the scheduler feeds prompts: "chunked" (any chunk size) or "whole" (one forward per prompt).
+    #: How the scheduler feeds prompts: "chunked" (chunks of any size), "aligned" (chunks of exactly the engine's
+    #: ``prefill_chunk_size``, when the method's result depends on where chunks end, like H2O's chunk-wise
+    #: eviction) or "whole" (one forward per prompt).
     prefill_mode: ClassVar[str] = "chunked"
     #: False only for dense attention, which can also run through the SDPA-rewrite fallback (no cache access).
     needs_cache_access: ClassVar[bool] = True

@@ -78,6 +78,7 @@ class H2ORuntime(EvictionRuntime):
     config_class = H2OConfig
     config: H2OConfig
     chunk_eviction = True
+    prefill_mode = "aligned"  # what is kept depends on where chunks end: the same chunks as generate()
 
     @property
     def decode_interval(self) -> int:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels.quest_scores import quest_page_scores
+from ..kernels.quest_scores import page_minmax_update, quest_page_scores
 from ..kernels.topk_select import topk_select
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import PageSelection, Selection
@@ -149,19 +149,7 @@ class QuestRuntime(SparseMethodRuntime):
     def _update_metadata(self, ctx: LayerContext) -> None:
         """Fold the step's new keys ``[batch, kv_heads, tokens, head_dim]`` into their pages' min / max."""
         m = ctx.manager
-        kmin, kmax = m.page_metadata[KMIN], m.page_metadata[KMAX]
-        P, H, D = m.layout.page_size, m.layout.num_kv_heads, m.layout.head_dim
-        slots = ctx.new_slots.reshape(-1)  # [batch * tokens] global slot ids, -1 = padding
-        valid = slots >= 0
-        trash = torch.full_like(slots, m.trash_page)  # padding lands on the trash page: static shapes
-        page = torch.where(valid, slots // P, trash)
-        first = torch.where(valid & (slots % P == 0), page, trash)  # a page's first write: reset its summary
-        keys = ctx.key.transpose(1, 2).reshape(-1, H, D).to(kmin.dtype)  # [batch * tokens, kv_heads, head_dim]
-        kmin.index_put_((first,), torch.full_like(keys, float("inf")))
-        kmax.index_put_((first,), torch.full_like(keys, float("-inf")))
-        index = page[:, None, None].expand(-1, H, D).contiguous()  # a stride-0 index hits a slow CPU path
-        kmin.scatter_reduce_(0, index, keys, reduce="amin", include_self=True)
-        kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
+        page_minmax_update(m.page_metadata[KMIN], m.page_metadata[KMAX], ctx.key, ctx.new_slots, m.layout.page_size)
 
     def _select(self, ctx: LayerContext) -> PageSelection:
         """Top pages of each KV head within the budget; returns pages ``[batch, kv_heads, k]`` (ascending)."""

@@ -90,6 +90,12 @@ class CacheManager:
         return self.allocator.num_pages
 
     @property
+    def bytes_per_page(self) -> int:
+        """Device bytes one page costs: K, V, positions and every registered slot / page metadata tensor."""
+        tensors = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values(), *self.page_metadata.values())
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    @property
     def max_seqs(self) -> int:
         return self._host_table.shape[0]
 

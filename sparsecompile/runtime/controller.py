@@ -80,8 +80,10 @@ class SparseController:
         self.manager: CacheManager | None = None
         self.step: StepState | None = None
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
-        self._decode_steps: dict[tuple[int, ...], StepState] = {}
+        self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
+        self._pad_row: int | None = None  # see _padding_row
+        self._pad_manager: CacheManager | None = None
 
     # ------------------------------------------------------------------ capacity (host)
     def reserve(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
@@ -110,6 +112,16 @@ class SparseController:
         self.manager = None
         self._decode_steps.clear()
 
+    def build_pool(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> CacheManager:
+        """Create a fixed pool now (the serving engine sizes it from a memory budget; no automatic growth)."""
+        if self.manager is not None and self.manager.live_rows:
+            raise RuntimeError("cannot rebuild the KV pool while sequences are live")
+        self.config.num_pages = num_pages
+        self.manager = CacheManager(self.layout, num_pages, max_seqs, max_pages_per_seq)
+        self.runtime.setup(self.manager)
+        self._decode_steps.clear()
+        return self.manager
+
     def add_sequences(self, batch: int) -> list[int]:
         assert self.manager is not None, "reserve() first"
         return [self.manager.add_sequence() for _ in range(batch)]
@@ -117,10 +129,10 @@ class SparseController:
     def release_rows(self, rows: list[int]) -> None:
         if self.manager is None:
             return
+        live = set(self.manager.live_rows)
         for row in rows:
-            if row in self.manager.live_rows:
+            if row in live:
                 self.manager.release_sequence(row)
-        self._decode_steps = {k: v for k, v in self._decode_steps.items() if not set(k) & set(rows)}
 
     def _make_room(self, step: StepState) -> None:
         """Grow every layer's slot count by the step's new tokens (allocating pages; auto-grow the pool)."""
@@ -182,8 +194,12 @@ class SparseController:
     @torch.no_grad()
     def prefill(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor | None,
                 inputs_embeds: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor,
-                logits_to_keep: int, progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run prompt tokens ``[batch, tokens]`` in chunks; returns ``inner``'s logits for the kept positions."""
+                logits_to_keep: int, progress: Callable[[int], None] | None = None, final: bool = True) -> torch.Tensor:
+        """Run prompt tokens ``[batch, tokens]`` in chunks; returns ``inner``'s logits for the kept positions.
+
+        ``final=False``: more prompt tokens follow in a later call (the serving scheduler feeds a prompt in chunks
+        across engine steps), so the last chunk here does not end the prompt.
+        """
         tokens = positions.shape[1]
         chunk = self.config.prefill_chunk_size or tokens
         if self.runtime.prefill_mode == "whole":
@@ -193,7 +209,7 @@ class SparseController:
             stop = min(tokens, start + chunk)
             last = stop == tokens
             step = StepState.build(rows, valid[:, start:stop], positions[:, start:stop], is_prefill=True,
-                                   is_last_chunk=last, device=self.layout.device)
+                                   is_last_chunk=last and final, device=self.layout.device)
             keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
             self._begin(step)
             logits = self._run(inner, step, input_ids=None if input_ids is None else input_ids[:, start:stop],
@@ -207,34 +223,64 @@ class SparseController:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     @torch.no_grad()
-    def decode(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """One decode token per row: ``input_ids, positions [batch, 1]`` -> logits ``[batch, 1, vocab]``."""
-        step = self._decode_step(rows)
+    def decode(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor, positions: torch.Tensor,
+               pad_to: int | None = None) -> torch.Tensor:
+        """One decode token per row: ``input_ids, positions [batch, 1]`` -> logits ``[batch, 1, vocab]``.
+
+        ``pad_to``: run the step at this batch size, the extra entries reading an empty padding row and writing
+        nothing, so a compiled step (one CUDA graph per batch size) serves every batch up to that size.
+        """
+        batch = len(rows)
+        if pad_to is not None and pad_to > batch:
+            extra = pad_to - batch
+            rows = rows + [self._padding_row()] * extra
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, 1)])
+            positions = torch.cat([positions, positions.new_full((extra, 1), -1)])
+        step = self._decode_step(rows, batch)
         step.positions.copy_(positions)
         self._begin(step)
         fn = self._compiled_decode if self._compiled_decode is not None else self._decode_eager
         logits = fn(inner, step, input_ids, step.positions)
         self._end(step)
-        return logits
+        return logits[:batch]
+
+    @property
+    def compiles_decode(self) -> bool:
+        return self._compiled_decode is not None
+
+    def _padding_row(self) -> int:
+        """A live row that never holds a slot: the batch padding of decode steps reads it (length 0)."""
+        m = self.manager
+        if self._pad_row is None or self._pad_manager is not m:
+            self._pad_row, self._pad_manager = m.add_sequence(), m
+        return self._pad_row
 
     def _decode_eager(self, inner: InnerForward, step: StepState, input_ids: torch.Tensor,
                       positions: torch.Tensor) -> torch.Tensor:
         return self._run(inner, step, input_ids=input_ids, inputs_embeds=None, position_ids=positions,
                          logits_to_keep=1)
 
-    def _decode_step(self, rows: list[int]) -> StepState:
-        """One persistent StepState per row tuple: static tensors, so a compiled step sees fixed addresses."""
-        key = tuple(rows)
-        if key not in self._decode_steps:
-            batch = len(rows)
+    def _decode_step(self, rows: list[int], valid: int) -> StepState:
+        """One persistent StepState per batch size: static tensors, so a compiled step (and its CUDA graph) sees
+        fixed addresses; this step's rows (the first ``valid`` real, the rest padding) are copied into it."""
+        batch = len(rows)
+        step = self._decode_steps.get(batch)
+        if step is None:
             step = StepState.build(rows, torch.ones(batch, 1, dtype=torch.bool),
                                    torch.zeros(batch, 1, dtype=torch.long), is_prefill=False, is_last_chunk=False,
                                    device=self.layout.device)
             for t in (step.rows, step.positions, step.new_offsets, step.num_new):
                 torch._dynamo.mark_static_address(t)
-            self._decode_steps[key] = step
-        return self._decode_steps[key]
+            self._decode_steps[batch] = step
+        elif step.row_ids != rows:
+            step.row_ids = list(rows)
+            step.rows.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        if sum(step.num_new_host) != valid:
+            real = torch.arange(batch) < valid
+            step.num_new_host = real.long().tolist()
+            step.num_new.copy_(real.long(), non_blocking=True)
+            step.new_offsets.copy_(torch.where(real, 0, -1)[:, None], non_blocking=True)
+        return step
 
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""

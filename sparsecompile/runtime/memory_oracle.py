@@ -16,6 +16,10 @@ from .cache_manager import KVLayout
 class MemoryOracle(ABC):
     """Capacity model of one method over one :class:`KVLayout`."""
 
+    #: Prompt tokens per prefill forward when the scheduler knows it (None: one forward per prompt); methods whose
+    #: prefill peak depends on it (chunk-wise eviction) read it.
+    prefill_chunk: int | None = None
+
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
 
@@ -39,10 +43,13 @@ class MemoryOracle(ABC):
         return {"kv_pages": self.pages_for(self.peak_slots_per_layer(prompt_len, max_new_tokens))}
 
     def step_cost(self, prompt_len: int, generated: int, new_tokens: int) -> dict[str, int]:
-        """Extra pages the next step (``new_tokens`` more) may allocate beyond what is resident now."""
-        now = self.pages_for(self.resident_slots_per_layer(prompt_len, generated))
-        after = self.pages_for(self.resident_slots_per_layer(prompt_len, generated + new_tokens))
-        return {"kv_pages": max(0, after - now)}
+        """Extra pages the next step (``new_tokens`` more) allocates beyond what is resident now.
+
+        A step's tokens are written (``resident + new_tokens`` slots per layer) before any eviction of that step
+        runs, so a step that evicts back below a page boundary still needs the page while it runs.
+        """
+        now = self.resident_slots_per_layer(prompt_len, generated)
+        return {"kv_pages": self.pages_for([s + new_tokens for s in now]) - self.pages_for(now)}
 
     def fits(self, cost: dict[str, int], budgets: dict[str, int]) -> bool:
         return all(cost.get(name, 0) <= budgets.get(name, 0) for name in cost)

@@ -1,0 +1,130 @@
+"""``sparsecompile.LLM``: offline batched generation with continuous batching, vLLM-style.
+
+    llm = sparsecompile.LLM("path/to/model", method="snapkv", budget=512, max_num_seqs=32)
+    outs = llm.generate(["Hello", "Tell me a story"], sparsecompile.SamplingParams(temperature=0, max_tokens=64))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .runtime.engine import LLMEngine
+from .runtime.outputs import RequestOutput, SamplingParams
+
+_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "cuda_graph_sizes",
+                "model_name")
+
+
+class LLM:
+    """An engine over one model and one sparse method.
+
+    Args:
+        model_or_path: an HF causal LM (then pass ``tokenizer``), an HF directory, a ``.gguf`` file, or None for
+            the embedded SmolLM2-135M-Instruct.
+        method: a registered method (``sparsecompile.available_methods()``).
+        tokenizer: required when ``model_or_path`` is a model object.
+        device, dtype: where and how to load a path (default: CUDA + bf16 when available, else CPU + fp32).
+        max_num_seqs: most requests running at once (decode batch size).
+        max_num_batched_tokens: tokens per engine step (decode tokens plus prompt chunks).
+        kv_cache_memory: KV pool size in bytes, or a fraction of the free GPU memory (default 0.85 on CUDA,
+            1 GiB on CPU); the pool never exceeds what ``max_num_seqs`` full-length requests could use.
+        max_model_len: longest prompt + output (default: the model's maximum).
+        cuda_graph_sizes: decode batch sizes compiled (and graph-captured) when decode is compiled; a step pads
+            to the next one (default: powers of two up to ``max_num_seqs``).
+        **options: the method's options and the engine options of ``sparsecompile.optimize`` (``page_size``,
+            ``prefill_chunk_size``, ``compile``, ``cuda_graphs``, ``num_pages``).
+    """
+
+    def __init__(self, model_or_path: nn.Module | str | os.PathLike | None = None, method: str = "vanilla", *,
+                 tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
+                 cuda_graph_sizes: list[int] | None = None, model_name: str | None = None, **options: Any) -> None:
+        if isinstance(model_or_path, nn.Module):
+            if tokenizer is None:
+                raise ValueError("pass tokenizer= together with a model object")
+            model = model_or_path
+            name = model_name
+        else:
+            from .models.default_model import load_model, resolve_model_path
+
+            model, loaded_tokenizer = load_model(model_or_path, dtype=dtype, device=device)
+            tokenizer = tokenizer or loaded_tokenizer
+            name = model_name or (str(model_or_path) if model_or_path is not None
+                                  else resolve_model_path(None).name)
+        args = dict(zip(_ENGINE_ARGS, (max_num_seqs, max_num_batched_tokens, kv_cache_memory, max_model_len,
+                                       cuda_graph_sizes, name)))
+        self.llm_engine = LLMEngine.from_model(model, tokenizer, method, args, **options)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids); outputs come back in the prompts' order.
+
+        ``sampling_params``: one for all prompts or one per prompt (default ``SamplingParams()``).
+        Every request is validated before any runs; a rejected one raises ``RequestRejected``.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p)
+            return self._run(engine, ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:  # leave nothing queued or allocated behind
+                engine.abort_request(request_id)
+            engine.step()
+            raise
+
+    def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Like :meth:`generate`, with each conversation rendered by the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.llm_engine.chat_prompt_ids(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _run(engine: LLMEngine, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    s = engine.stats()
+                    bar.set_postfix(running=s.num_running, waiting=s.num_waiting, gen_tok=s.generation_tokens,
+                                    refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]

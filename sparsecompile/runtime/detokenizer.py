@@ -1,0 +1,68 @@
+"""Incremental detokenization and stop conditions of one request.
+
+Decoding a growing token list from scratch every step costs O(n^2) over a request; instead the text is
+extended from a short window of recent tokens (``prefix_offset .. read_offset``), which also keeps a
+multi-byte character split across tokens out of the text until it is complete. Stop strings are matched
+on the text; the returned text ends before the first match, and a streaming client is never sent text
+that a stop string might still swallow.
+"""
+
+from __future__ import annotations
+
+from .outputs import SamplingParams
+
+_INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
+
+
+class Detokenizer:
+    """Text and stop state of one request's generated tokens."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._sent = 0  # characters of ``text`` already reported as delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def append(self, token: int) -> tuple[str | None, str | int | None]:
+        """Add one generated token; returns ``(finish_reason, stop_reason)`` (None, None while it goes on)."""
+        self.token_ids.append(token)
+        if token in self.stop_ids:
+            return "stop", token
+        if token in self.eos:
+            return "stop", None
+        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith(_INCOMPLETE):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            for stop in self.params.stop:
+                # Only the new text (and what a match could straddle) can hold a new match.
+                at = self.text.find(stop, max(0, start - len(stop) + 1))
+                if at >= 0:
+                    self.text = self.text[:at]
+                    return "stop", stop
+        if len(self.token_ids) >= self.params.max_tokens:
+            return "length", None
+        return None, None
+
+    def delta(self, finished: bool) -> str:
+        """Text not reported yet; while running, hold back a tail that could be the start of a stop string."""
+        end = len(self.text)
+        if not finished:
+            for stop in self.params.stop:
+                for k in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text.endswith(stop[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        out = self.text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return out

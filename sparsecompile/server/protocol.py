@@ -1,0 +1,238 @@
+"""Pydantic models of the OpenAI-compatible HTTP API: requests, responses, streaming chunks, errors.
+
+Requests forbid unknown fields and use strict types (``"max_tokens": "5"`` is refused, not coerced), so a
+client that misspells a field or sends an unsupported one hears about it instead of being silently ignored.
+Fields are named as OpenAI names them; the extras vLLM popularised (``top_k``, ``min_p``, ``stop_token_ids``,
+``ignore_eos``) are accepted too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from ..runtime.outputs import SamplingParams
+
+_REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: with ``include_usage`` a last chunk carries the request's token counts."""
+
+    model_config = _REQUEST_CONFIG
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (everything that maps onto :class:`SamplingParams`)."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: StrictStr
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: StrictStr | None = None  # accepted and ignored, as OpenAI documents it (abuse monitoring)
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> _SamplingFields:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one choice per request is supported), got {self.n}; "
+                             "send several requests to get several completions")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.presence_penalty != 0 or self.frequency_penalty != 0:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+        return self
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's :class:`SamplingParams` for this request; raises ``RequestRejected`` on bad values."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt`` is one string or one list of token ids."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            raise ValueError("batch prompts not supported: send one prompt (a string or a list of token ids) "
+                             "per request")
+        if len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported; leave logprobs unset")
+        if self.echo:
+            raise ValueError("echo is not supported; leave echo false")
+        return self
+
+
+class TextContentPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content (the only kind supported)."""
+
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat request."""
+
+    model_config = _REQUEST_CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextContentPart] | None = None
+    name: StrictStr | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` dict chat templates expect, with content parts joined into one string."""
+        if isinstance(self.content, list):
+            content = "".join(part.text for part in self.content)
+        else:
+            content = self.content or ""
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``. Without a token limit, generation may fill the model's context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs is not None:
+            raise ValueError("logprobs are not supported; leave logprobs and top_logprobs unset")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ----------------------------------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sparsecompile"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo

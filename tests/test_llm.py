@@ -1,0 +1,203 @@
+"""sparsecompile.LLM / LLMEngine: continuous batching equals per-prompt generate(); stop rules; aborts; errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from method_matrix import DENSE_EQUIVALENT
+from tiny_models import tiny_pair
+
+import sparsecompile
+from sparsecompile import LLM, RequestRejected, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+class DigitTokenizer:
+    """Token ``t`` decodes to ``"<t> "``; enough for detokenization and stop strings on random tiny models."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(f"{t} " for t in ids)
+
+    def __call__(self, text: str):
+        raise AssertionError("tests pass token ids")
+
+
+def prompts_of(lengths, vocab: int = 96, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_tokens(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def tiny_llm(method: str = "vanilla", **kwargs):
+    reference, candidate = tiny_pair("llama")
+    options = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=4, prefill_chunk_size=16)
+    options.update(kwargs)
+    return reference, LLM(candidate, method, tokenizer=DigitTokenizer(), **options)
+
+
+LENGTHS = (5, 40, 17, 58, 9, 33, 24, 51, 12, 3)
+
+
+@pytest.mark.parametrize("method", sorted(DENSE_EQUIVALENT))
+def test_every_method_matches_the_unpatched_model_under_continuous_batching(method):
+    """Budget >= length: each method is dense, so batching, chunking and interleaving must not change a token."""
+    reference, llm = tiny_llm(method, **DENSE_EQUIVALENT[method])
+    prompts = prompts_of(LENGTHS)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    stats = llm.llm_engine.stats()
+    assert stats.free_pages == stats.total_pages and stats.num_running == stats.num_waiting == 0
+
+
+def test_preemption_recomputes_exactly_and_frees_everything():
+    reference, llm = tiny_llm("vanilla", num_pages=60, max_num_seqs=6, max_model_len=100)
+    prompts = prompts_of(LENGTHS)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0  # the pool is too small for all six at once
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, 20)
+    assert llm.llm_engine.stats().free_pages == 60
+
+
+def test_padded_decode_batches_read_and_write_nothing_for_the_padding():
+    """With compiled decode the engine pads batches to CUDA-graph sizes; run that path eagerly."""
+    reference, llm = tiny_llm("h2o", budget=24, cuda_graph_sizes=[3])
+    controller = llm.llm_engine.controller
+    controller._compiled_decode = controller._decode_eager  # padding on, no compile
+    assert llm.llm_engine.graph_sizes == [3, 4]
+    prompts = prompts_of(LENGTHS)
+    _, plain = tiny_llm("h2o", budget=24)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    assert llm.llm_engine.stats().free_pages == llm.llm_engine.stats().total_pages
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    _, llm = tiny_llm()
+    prompts = prompts_of(LENGTHS[:6])
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=100 + i, max_tokens=10) for i in range(6)]
+    together = llm.generate(prompts, seeded, use_tqdm=False)
+    alone = [llm.generate([p], s, use_tqdm=False)[0] for p, s in zip(prompts, seeded)]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] != [o.outputs[0].token_ids[:10] for o in greedy]
+
+
+def test_stop_strings_stop_tokens_and_lengths():
+    _, llm = tiny_llm()
+    prompt = prompts_of([20])[0]
+    free = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    tokens = free.token_ids
+    assert free.text == "".join(f"{t} " for t in tokens)
+    by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[4]]),
+                         use_tqdm=False)[0].outputs[0]
+    first = tokens.index(tokens[4])
+    assert by_id.token_ids == tokens[:first + 1] and by_id.finish_reason == "stop" and by_id.stop_reason == tokens[4]
+    assert by_id.text == "".join(f"{t} " for t in tokens[:first])  # the stop token is not in the text
+    stop = f"{tokens[2]} {tokens[3]}"
+    by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+    assert by_text.finish_reason == "stop" and by_text.stop_reason == stop
+    assert by_text.text == free.text[:free.text.index(stop)]
+    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert short.outputs[0].token_ids == tokens[:3] and short.outputs[0].finish_reason == "length"
+    assert short.metrics.num_generated_tokens == 3 and short.metrics.num_prompt_tokens == 20
+    assert short.metrics.time_to_first_token is not None and short.metrics.latency >= short.metrics.time_to_first_token
+
+
+def test_streaming_deltas_add_up_and_abort_frees_pages_at_once():
+    _, llm = tiny_llm()
+    engine = llm.llm_engine
+    total = engine.stats().total_pages
+    engine.add_request("keep", prompts_of([30])[0], SamplingParams(temperature=0, max_tokens=15))
+    engine.add_request("drop", prompts_of([45], seed=1)[0], SamplingParams(temperature=0, max_tokens=15))
+    text, ids, aborted = "", [], None
+    for step in range(100):
+        for out in engine.step():
+            if out.request_id == "keep":
+                text += out.outputs[0].delta_text
+                ids += out.outputs[0].delta_token_ids
+                final = out
+            elif out.finished:
+                aborted = out
+        if step == 6:
+            before = engine.stats().free_pages
+            engine.abort_request("drop")
+            assert engine.stats().free_pages > before  # freed now, not at the next step
+        if not engine.has_unfinished_requests():
+            break
+    assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
+    assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+    assert engine.stats().free_pages == total
+    engine.abort_request("keep")  # finished or unknown ids are ignored
+    engine.abort_request("nope")
+
+
+def test_bad_requests_are_rejected_and_leave_nothing_behind():
+    _, llm = tiny_llm(max_model_len=64)
+    engine = llm.llm_engine
+    with pytest.raises(RequestRejected, match="context is 64 tokens"):
+        llm.generate([prompts_of([64])[0]], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="max_tokens"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=0), use_tqdm=False)
+    with pytest.raises(RequestRejected, match=r"\[0, 96\)"):
+        llm.generate([[5, 600]], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="top_p"):
+        llm.generate([[5, 6]], SamplingParams(top_p=0), use_tqdm=False)
+    # a good prompt before a bad one in the same call is not left queued or allocated
+    with pytest.raises(RequestRejected):
+        llm.generate([[5, 6, 7], prompts_of([80])[0]], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("dup", [5, 6], GREEDY)
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.add_request("dup", [5, 6], GREEDY)
+    engine.abort_request("dup")
+    engine.step()
+    assert engine.stats().free_pages == engine.stats().total_pages
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].finished  # still serving
+
+
+def test_engine_refuses_a_model_it_cannot_reach():
+    reference, _ = tiny_pair("llama")
+    with pytest.raises(sparsecompile.UnsupportedModelError, match="optimize"):
+        sparsecompile.runtime.engine.LLMEngine(reference, DigitTokenizer())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,options", [("vanilla", {}), ("snapkv", {"budget": 40, "window": 8})])
+def test_smollm2_32_mixed_prompts_equal_per_prompt_generate(smollm2_path, method, options):
+    """The issue's acceptance test: 32 prompts of mixed lengths, LLM.generate vs greedy generate() one by one."""
+    from needle import AUSTEN_TEXT
+
+    llm = LLM(str(smollm2_path), method, dtype=torch.float32, device="cpu", max_num_seqs=8,
+              max_num_batched_tokens=160, prefill_chunk_size=48, **options)
+    tok = llm.tokenizer
+    with open(AUSTEN_TEXT, encoding="utf-8") as f:
+        words = f.read().split()
+    prompts = [" ".join(words[31 * i: 31 * i + 6 + (37 * i) % 56]) for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    model = llm.llm_engine.model
+    lengths = [len(tok(p).input_ids) for p in prompts]
+    assert min(lengths) < 40 and max(lengths) > 48  # snapkv compresses some prompts; some take two chunks
+    assert sum(o.metrics.num_prefill_chunks for o in outs) > len(prompts)
+    for prompt, out in zip(prompts, outs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                  eos_token_id=None, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == expected, prompt[:60]
+        assert out.outputs[0].text == tok.decode(expected, skip_special_tokens=True)

@@ -1,0 +1,390 @@
+"""The OpenAI-compatible server (``sparsecompile.server``) over the real engine on the embedded SmolLM2, served
+by uvicorn on 127.0.0.1: concurrent streaming with cancellations (text equal to the engine's alone, KV pages
+back to their starting count), clear 4xx answers to bad requests, OpenAI-shaped responses, /metrics; and, with a
+scripted engine that fails, the 503 path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparsecompile.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from sparsecompile.server import create_app
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-test"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+MAX_TOKENS = 8
+MAX_MODEL_LEN = 256
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) in a background thread; a context manager."""
+
+    def __init__(self, app) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "uvicorn did not shut down"
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as ``{(sample name, sorted labels): value}``."""
+    text = httpx.get(f"{base_url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(values: dict, name: str, **labels: str) -> float:
+    return values[(f"sparsecompile_{name}", tuple(sorted(labels.items())))]
+
+
+def wait_until_idle(base_url: str, free_pages: float, timeout: float = 20.0) -> dict:
+    """Poll /metrics until nothing runs or waits and every KV page is free again; returns the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape(base_url)
+        idle = (metric(values, "num_requests_running") == 0 and metric(values, "num_requests_waiting") == 0
+                and metric(values, "kv_pages_free") == free_pages)
+        if idle:
+            return values
+        assert time.monotonic() < deadline, (
+            f"engine not idle after {timeout} s: running {metric(values, 'num_requests_running')}, waiting "
+            f"{metric(values, 'num_requests_waiting')}, free pages {metric(values, 'kv_pages_free')} of {free_pages}")
+        time.sleep(0.1)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+# ------------------------------------------------------------------------------------------ the real engine
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """One engine, the reference outputs of each prompt run alone through ``LLM.generate``, and the server."""
+    from sparsecompile.llm import LLM
+
+    model, tokenizer = smollm2  # fp32 on CPU; copied, since the engine patches its model in place
+    llm = LLM(copy.deepcopy(model), method="vanilla", tokenizer=tokenizer, max_num_seqs=16,
+              max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    # Each prompt alone. In a worker thread, as the server's engine thread: on a busy 2-core CPU the main thread's
+    # OpenMP team spin-waits and makes these forwards ~20x slower (OMP_WAIT_POLICY=PASSIVE avoids that too).
+    with ThreadPoolExecutor(1) as pool:
+        refs = {p: pool.submit(llm.generate, p, greedy, use_tqdm=False).result()[0].outputs[0] for p in PROMPTS}
+    engine = llm.llm_engine
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.free_pages == stats.total_pages
+    with ServerThread(create_app(engine, MODEL)) as base_url:
+        yield SimpleNamespace(url=base_url, refs=refs, tokenizer=engine.tokenizer, free_pages=stats.free_pages)
+
+
+def test_concurrent_streams_with_cancellations(served):
+    """16 greedy streaming clients, 5 of which hang up after two chunks: the others stream exactly what the engine
+    generates for their prompt alone, the 5 are aborted in the engine, and every KV page comes back."""
+    cancelled = {1, 4, 7, 10, 13}
+    before = scrape(served.url)
+
+    async def client(i: int) -> tuple[str, str | None, dict | None]:
+        body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "temperature": 0, "stream": True,
+                # a cancelled request would run ~240 steps (a minute) if it were not aborted
+                "max_tokens": 1000 if i in cancelled else MAX_TOKENS,
+                "stream_options": {"include_usage": True}}
+        if i in cancelled:
+            body.pop("stream_options")
+        text, reason, usage, chunks, done = "", None, None, 0, False
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                assert response.headers["content-type"].startswith("text/event-stream")
+                async for line in response.aiter_lines():
+                    event = next(sse_events([line]), None)
+                    if event is None:
+                        continue
+                    if event == "[DONE]":
+                        done = True
+                        continue
+                    assert event["object"] == "text_completion" and event["model"] == MODEL
+                    if event["choices"]:
+                        text += event["choices"][0]["text"]
+                        reason = event["choices"][0]["finish_reason"] or reason
+                        chunks += 1
+                    else:
+                        usage = event["usage"]
+                    if i in cancelled and chunks == 2:
+                        return text, None, None  # leaving both contexts closes the connection mid-stream
+        assert done, f"client {i}: stream ended without data: [DONE]"
+        return text, reason, usage
+
+    async def run_all():
+        return await asyncio.gather(*(client(i) for i in range(16)))
+
+    results = asyncio.run(run_all())
+    for i, (text, reason, usage) in enumerate(results):
+        ref = served.refs[PROMPTS[i % len(PROMPTS)]]
+        if i in cancelled:  # hung up mid-stream, after two chunks of the same greedy text
+            assert text and ref.text.startswith(text), (i, text, ref.text)
+            continue
+        assert text == ref.text, f"client {i}: streamed {text!r}, engine alone gives {ref.text!r}"
+        assert reason == ref.finish_reason
+        prompt_tokens = len(served.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids)
+        assert usage == {"prompt_tokens": prompt_tokens, "completion_tokens": len(ref.token_ids),
+                         "total_tokens": prompt_tokens + len(ref.token_ids)}
+    after = wait_until_idle(served.url, served.free_pages)  # a cancelled request left running takes > 20 s
+    aborted = metric(after, "requests_finished_total", finish_reason="abort") - \
+        metric(before, "requests_finished_total", finish_reason="abort")
+    assert aborted == len(cancelled)
+    finished = sum(metric(after, "requests_finished_total", finish_reason=r) -
+                   metric(before, "requests_finished_total", finish_reason=r) for r in ("stop", "length"))
+    assert finished == 16 - len(cancelled)
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(served):
+    before = scrape(served.url)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
+    after = wait_until_idle(served.url, served.free_pages, timeout=15)
+    assert metric(after, "requests_finished_total", finish_reason="abort") == \
+        metric(before, "requests_finished_total", finish_reason="abort") + 1
+
+
+def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):
+    url = f"{served.url}/v1/completions"
+    ok = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    long_prompt = " ".join(["word"] * (MAX_MODEL_LEN + 10))
+    cases = [  # (request, status, words the message must contain)
+        ({**ok, "model": "gpt-4"}, 404, ["gpt-4", "does not exist", MODEL]),
+        ({**ok, "max_tokens": 0}, 400, ["max_tokens", "greater than or equal to 1"]),
+        ({**ok, "prompt": long_prompt}, 400, ["prompt has", f"{MAX_MODEL_LEN} tokens"]),
+        (b'{"model": "smollm2-test", "prompt": "hi",', 400, ["not valid JSON"]),
+        ({**ok, "frobnicate": 1}, 400, ["unknown field", "frobnicate"]),
+        ({**ok, "n": 2}, 400, ["n must be 1"]),
+        ({**ok, "prompt": ["a", "b"]}, 400, ["batch prompts not supported"]),
+        ({**ok, "logprobs": 2}, 400, ["logprobs are not supported"]),
+        ({**ok, "top_p": 1.5}, 400, ["top_p", "less than or equal to 1"]),
+        ({**ok, "temperature": -0.5}, 400, ["temperature"]),
+        ({**ok, "stop_token_ids": [-3]}, 400, ["stop_token_ids must be token ids >= 0"]),
+        ({**ok, "max_tokens": "5"}, 400, ["max_tokens", "valid integer"]),
+        ({**ok, "prompt": [1, 10**9]}, 400, ["token ids must be integers"]),
+    ]
+    with httpx.Client(timeout=30) as http:
+        for request, status, words in cases:
+            if isinstance(request, bytes):
+                response = http.post(url, content=request, headers={"content-type": "application/json"})
+            else:
+                response = http.post(url, json=request)
+            assert response.status_code == status, (request, response.text)
+            error = response.json()["error"]
+            assert set(error) >= {"message", "type", "code"} and error["code"] == status
+            for word in words:
+                assert word in error["message"], (request, error)
+        chat = http.post(f"{served.url}/v1/chat/completions",
+                         json={"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]})
+        assert chat.status_code == 400 and "role" in chat.json()["error"]["message"]
+        missing = http.get(f"{served.url}/v1/nothing-here")
+        assert missing.status_code == 404 and "/v1/completions" in missing.json()["error"]["message"]
+        response = http.post(url, json=ok)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == served.refs[PROMPTS[0]].text
+    values = wait_until_idle(served.url, served.free_pages, timeout=10)
+    assert metric(values, "requests_rejected_total", status="400") >= 13
+
+
+def test_openai_shaped_responses_health_models_metrics(served):
+    before = scrape(served.url)
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        models = http.get("/v1/models").json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+
+        prompt = PROMPTS[2]
+        ref = served.refs[prompt]
+        ids = served.tokenizer(prompt).input_ids
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "user": "u1"}
+        completion = http.post("/v1/completions", json=body).json()
+        assert completion["object"] == "text_completion" and completion["id"].startswith("cmpl-")
+        assert completion["model"] == MODEL and isinstance(completion["created"], int)
+        choice = completion["choices"][0]
+        assert choice["text"] == ref.text and choice["finish_reason"] == ref.finish_reason
+        assert completion["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.token_ids),
+                                       "total_tokens": len(ids) + len(ref.token_ids)}
+        # The same prompt as token ids, and a stop string taken from the middle of the reference text.
+        by_ids = http.post("/v1/completions", json={**body, "prompt": ids}).json()
+        assert by_ids["choices"][0]["text"] == ref.text
+        stop = ref.text.strip()[2:5]
+        stopped_response = http.post("/v1/completions", json={**body, "stop": stop}).json()
+        stopped = stopped_response["choices"][0]
+        assert stopped["text"] == ref.text[:ref.text.index(stop)] and stopped["finish_reason"] == "stop"
+        assert stopped["stop_reason"] == stop
+
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat_body = {"model": MODEL, "messages": messages, "max_completion_tokens": 8, "temperature": 0}
+        chat = http.post("/v1/chat/completions", json=chat_body).json()
+        assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+        message = chat["choices"][0]["message"]
+        assert message["role"] == "assistant" and message["content"]
+        rendered = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        chat_prompt_tokens = len(served.tokenizer(rendered).input_ids)
+        assert chat["usage"]["prompt_tokens"] == chat_prompt_tokens
+        assert chat["usage"]["total_tokens"] == chat_prompt_tokens + chat["usage"]["completion_tokens"]
+
+        stream_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/chat/completions", json=stream_body) as response:
+            events = list(sse_events(response.iter_lines()))
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert content == message["content"]
+        assert chunks[-2]["choices"][0]["finish_reason"] == chat["choices"][0]["finish_reason"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chat["usage"]
+
+        response = http.get("/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    after = scrape(served.url)
+    usages = [r["usage"] for r in (completion, by_ids, stopped_response, chat, chunks[-1])]
+    for name, key in (("generation_tokens_total", "completion_tokens"), ("prompt_tokens_total", "prompt_tokens")):
+        assert metric(after, name) - metric(before, name) == sum(u[key] for u in usages)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert metric(after, f"{name}_count") - metric(before, f"{name}_count") == 5
+    assert metric(after, "kv_pages_total") == served.free_pages
+    assert ("sparsecompile_num_preemptions_total", ()) in after
+
+
+def test_cli_serve(smollm2_path):
+    """``sparsecompile serve`` starts a server that answers, and shuts down cleanly on Ctrl-C (SIGINT)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "sparsecompile.cli", "serve", "--model", str(smollm2_path), "--port", str(port),
+           "--dtype", "float32", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "2",
+           "--kv-cache-memory", "64MiB", "--served-model-name", "cli-model"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base_url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"sparsecompile serve exited: {process.communicate()[0][-2000:]}"
+            assert time.monotonic() < deadline, "sparsecompile serve did not come up in 120 s"
+            try:
+                if httpx.get(f"{base_url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.25)
+        assert httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"] == "cli-model"
+        body = {"model": "cli-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        chat = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()
+        assert chat["usage"]["completion_tokens"] == 2 and chat["choices"][0]["finish_reason"] == "length"
+    finally:
+        process.send_signal(signal.SIGINT)
+        output = process.communicate(timeout=30)[0]
+    assert process.returncode == 0, output[-2000:]
+    assert "serving 'cli-model' (method vanilla, max_model_len 128" in output
+    assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+# -------------------------------------------------------------------------- a scripted engine that fails
+
+
+@dataclass
+class _Stats:
+    num_running: int = 0
+    num_waiting: int = 0
+    free_pages: int = 8
+    total_pages: int = 8
+    num_preemptions: int = 0
+
+
+class FailingEngine:
+    """Follows the LLMEngine contract; emits one token per request per step and raises on step ``fail_at``."""
+
+    model_name = "scripted"
+    max_model_len = 64
+    tokenizer = None
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.steps, self.live = fail_at, 0, {}
+
+    def add_request(self, request_id, prompt, params) -> None:
+        if prompt == [13]:
+            raise TypeError("scripted bug in add_request")
+        self.live[request_id] = (list(prompt), params, [])
+
+    def abort_request(self, request_id) -> None:
+        self.live.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def stats(self) -> _Stats:
+        return _Stats(num_running=len(self.live), free_pages=8 - len(self.live))
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("scripted device failure")
+        outputs = []
+        for request_id, (prompt, params, tokens) in list(self.live.items()):
+            tokens.append(7)
+            done = len(tokens) >= params.max_tokens
+            outputs.append(RequestOutput(request_id, None, prompt, [CompletionOutput(
+                0, "x" * len(tokens), list(tokens), "length" if done else None, None, "x", [7])], done,
+                RequestMetrics(time.monotonic())))
+            if done:
+                del self.live[request_id]
+        time.sleep(0.05)
+        return outputs
+
+
+def test_engine_failures_answer_500_503_and_health_turns_unhealthy():
+    with ServerThread(create_app(FailingEngine(fail_at=4), "scripted")) as base_url, \
+            httpx.Client(base_url=base_url, timeout=30) as http:
+        body = {"model": "scripted", "prompt": [1, 2, 3], "max_tokens": 2}
+        bug = http.post("/v1/completions", json={**body, "prompt": [13]})
+        assert bug.status_code == 500 and "scripted bug in add_request" in bug.json()["error"]["message"]
+        first = http.post("/v1/completions", json=body)  # steps 1-2: fine, the bug hurt only its own request
+        assert first.status_code == 200 and first.json()["choices"][0]["text"] == "xx"
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 50, "stream": True}) as response:
+            events = list(sse_events(response.iter_lines()))
+        assert events[-1] == "[DONE]" and "scripted device failure" in events[-2]["error"]["message"]
+        after = http.post("/v1/completions", json=body)
+        assert after.status_code == 503 and "restart the server" in after.json()["error"]["message"]
+        health = http.get("/health")
+        assert health.status_code == 503 and "scripted device failure" in health.json()["error"]["message"]

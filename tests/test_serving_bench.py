@@ -1,0 +1,30 @@
+"""benchmarks/serving.py runs end to end on CPU (tiny model, no compile) and writes its rows and table."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import serving  # noqa: E402
+
+
+def test_serving_benchmark_smoke(tmp_path):
+    argv = ["--device", "cpu", "--tiny", "--methods", "vanilla,snapkv", "--num-requests", "4", "--min-prompt", "16",
+            "--max-prompt", "64", "--min-output", "4", "--max-output", "8", "--hf-batch", "2", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "64", "--chunk", "32", "--tag", "_smoke", "--out", str(tmp_path)]
+    assert serving.main(argv) == 0
+    header, *rows = [json.loads(line) for line in (tmp_path / "serving_smoke.jsonl").read_text().splitlines()]
+    assert header["workload"]["num_requests"] == 4
+    assert [(r["system"], r["method"]) for r in rows] == [
+        ("sparsecompile", "vanilla"), ("sparsecompile", "snapkv"), ("hf-dynamic", "vanilla")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["exact_lengths"] and row["workload"] == header["workload"]
+        assert row["output_tok_s"] > 0 and row["e2e_p99_s"] <= row["wall_s"] + 1e-3
+    assert all(r["generated_tokens"] == header["output_tokens"] for r in rows[:2])
+    assert rows[2]["useful_tokens"] == header["output_tokens"] <= rows[2]["generated_tokens"]
+    table = (tmp_path / "serving_smoke.md").read_text()
+    assert table.count("| sparsecompile |") == 2 and "| hf-dynamic |" in table
