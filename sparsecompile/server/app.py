@@ -209,13 +209,11 @@ def create_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
                 return CompletionResponse(id=request_id, created=created, model=model_name, choices=choice,
                                           usage=usage)
 
-            async for output in _guarded(outputs):
-                if isinstance(output, str):
-                    yield output
+            async for item in _guarded(outputs):
+                if isinstance(item, str):
+                    yield item
                     return
-                completion = output.outputs[0] if output.outputs else None
-                text = completion.delta_text if completion else ""
-                reason = completion.finish_reason if completion else "abort"
+                text, reason, output = item
                 if text or output.finished:
                     yield _sse(chunk(text, reason))
                 if output.finished and body.include_usage:
@@ -256,16 +254,15 @@ def create_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
                                            usage=usage)
 
             yield _sse(chunk(DeltaMessage(role="assistant", content="")))
-            async for output in _guarded(outputs):
-                if isinstance(output, str):
-                    yield output
+            async for item in _guarded(outputs):
+                if isinstance(item, str):
+                    yield item
                     return
-                completion = output.outputs[0] if output.outputs else None
-                text = completion.delta_text if completion else ""
+                text, reason, output = item
                 if text:
                     yield _sse(chunk(DeltaMessage(content=text)))
                 if output.finished:
-                    yield _sse(chunk(DeltaMessage(), completion.finish_reason if completion else "abort"))
+                    yield _sse(chunk(DeltaMessage(), reason))
                     if body.include_usage:
                         yield _sse(chunk(None, usage=_usage(output)))
             yield "data: [DONE]\n\n"
@@ -289,11 +286,14 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
         raise APIError(400, str(err)) from None
 
 
-async def _guarded(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
-    """The stream's outputs; an engine failure mid-stream becomes one SSE error event (a str) and the end."""
+async def _guarded(stream: RequestStream) -> AsyncIterator[tuple[str, str | None, RequestOutput] | str]:
+    """Per output of the stream ``(delta text, finish reason, output)``; an engine failure mid-stream becomes one SSE
+    error event (a str) and the end."""
     try:
         async for output in stream:
-            yield output
+            completion = output.outputs[0] if output.outputs else None
+            text = completion.delta_text if completion else ""
+            yield text, (completion.finish_reason if completion else "abort"), output
     except EngineDeadError as err:
         body = ErrorResponse(error=ErrorInfo(message=str(err), type=_ERROR_TYPES[503], code=503))
         yield _sse(body) + "data: [DONE]\n\n"
