@@ -74,7 +74,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     model.__dict__["_sparsecompile_previous_attn"] = previous
     if _want(config.compile, device):
         cuda_graphs = _want(config.cuda_graphs, device) and device.type == "cuda"
-        controller.enable_compiled_decode(capture_backend(info.num_layers, cuda_graphs))
+        controller.enable_compiled_decode(capture_backend(info.num_layers, cuda_graphs,
+                                                          keep_order=runtime.reads_pool_across_layers))
     return model
 
 

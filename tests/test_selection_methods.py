@@ -311,3 +311,24 @@ def test_quest_compiled_decode_equals_eager_one_graph():
                            want)
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_omnikv_compiled_decode_updates_the_pool_in_place():
+    """The filter layer's scores read the key pool that later layers' kv_write mutates. Inductor's locality
+    reordering once sank that read past the next write, and the write then went to a whole copy of the pool
+    (32 GiB at 128K x 4 on the H200). The compiled graph must equal eager and allocate nothing pool-sized."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, eager = tiny_pair("llama", seed=7, num_hidden_layers=3)
+    _, compiled = tiny_pair("llama", seed=7, num_hidden_layers=3)
+    options = dict(budget=8, filter_layers="0", page_size=4, num_pages=4096)
+    sparsecompile.optimize(eager, "omnikv", compile=False, **options)
+    sparsecompile.optimize(compiled, "omnikv", compile=True, **options)
+    ids, mask = left_padded_batch((11, 17), seed=3)
+    want = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    got, code = run_and_get_code(compiled.generate, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                 do_sample=False)
+    assert torch.equal(got, want)
+    pool = _controller(compiled).manager.k_pool
+    assert code and not any(re.search(rf"empty_strided_\w+\(\({pool.numel()},", c) for c in code)

@@ -97,6 +97,9 @@ class SparseMethodRuntime:
     prefill_mode: ClassVar[str] = "chunked"
     #: False only for dense attention, which can also run through the SDPA-rewrite fallback (no cache access).
     needs_cache_access: ClassVar[bool] = True
+    #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
+    #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
+    reads_pool_across_layers: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config

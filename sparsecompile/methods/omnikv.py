@@ -107,6 +107,7 @@ class OmniKVMemoryOracle(DenseMemoryOracle):
 class OmniKVRuntime(SparseMethodRuntime):
     name = "omnikv"
     config_class = OmniKVConfig
+    reads_pool_across_layers = True
 
     def __init__(self, config: OmniKVConfig, model: ModelInfo) -> None:
         super().__init__(config, model)

@@ -50,8 +50,13 @@ def check_capture(gm: fx.GraphModule, expected_sites: int) -> Counter:
     return counts
 
 
-def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "inductor") -> Callable:
-    """A dynamo backend: :func:`check_capture`, then inductor (``inner="inductor"``) or eager (``"eager"``)."""
+def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "inductor",
+                    keep_order: bool = False) -> Callable:
+    """A dynamo backend: :func:`check_capture`, then inductor (``inner="inductor"``) or eager (``"eager"``).
+
+    ``keep_order``: turn off inductor's locality reordering, for methods whose graph reads pool state in one
+    layer that a later layer's op mutates (see below).
+    """
 
     def backend(gm: fx.GraphModule, example_inputs):
         check_capture(gm, expected_sites)
@@ -60,7 +65,13 @@ def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "induct
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": cuda_graphs})
+        # reorder_for_locality sinks nodes to just before their first user. It moved OmniKV's scoring of the
+        # filter layer's keys past the next layer's kv_write, so that write could no longer happen in place: the
+        # key pool was copied whole (32 GiB at 128K x 4) for the score to read the old version.
+        patches = {"triton.cudagraphs": cuda_graphs}
+        if keep_order:
+            patches["reorder_for_locality"] = False
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     backend.graphs_checked = 0
     return backend
