@@ -79,7 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(c.oracle, num_pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=chunk,
                                    prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len)
-        sizes = cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+        sizes = cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
             import torch._dynamo.config as dynamo_config

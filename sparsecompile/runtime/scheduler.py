@@ -141,12 +141,6 @@ class Scheduler:
     def _prefill_cost(self, request: Request) -> dict[str, int]:
         return self._pages(self.oracle.peak_slots_per_layer(len(request.prefill_ids), 0))
 
-    def _step_cost(self, request: Request) -> dict[str, int]:
-        """Reservation for the next decode step: what is resident plus the oracle's step cost."""
-        now, extra = self._pages(self._resident(request)), self.oracle.step_cost(len(request.prefill_ids),
-                                                                                request.num_decoded, 1)
-        return {k: now.get(k, 0) + extra.get(k, 0) for k in {*now, *extra}}
-
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
         """Queue ``request``; :class:`RequestRejected` when it can never run (too long, larger than the pool)."""
@@ -196,9 +190,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
-        # 1. decode reservations; preempt the newest admissions until they fit
-        need = {r: self._step_cost(r) for r in decoding}
-        while decoding and not self._fits_extra(need):
+        # 1. decode reservations (a decoding request reserves its resident pages between steps; a step adds the
+        #    oracle's step cost); preempt the newest admissions until they fit
+        need = {r: self.oracle.step_cost(len(r.prefill_ids), r.num_decoded, 1) for r in decoding}
+        while decoding and not self.oracle.fits(_summed(need.values()), self.free()):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
@@ -206,7 +201,7 @@ class Scheduler:
                 decoding.remove(victim)
                 del need[victim]
         for r in decoding:
-            self._set_reservation(r, self._max(r.reserved, need[r]))
+            self._set_reservation(r, _summed([r.reserved, need[r]]))
         out.decode = decoding
         budget = self.max_num_batched_tokens - len(decoding)
         # 2. continue admitted prompts, then admit new ones (arrival order; the head of the queue blocks)
@@ -242,17 +237,6 @@ class Scheduler:
             out.prefill.append(PrefillChunk(request, request.num_prefilled, request.num_prefilled + size))
         return size
 
-    def _fits_extra(self, need: dict[Request, dict[str, int]]) -> bool:
-        extra = dict.fromkeys(self.capacity, 0)
-        for r, cost in need.items():
-            for name, value in cost.items():
-                extra[name] += max(0, value - r.reserved.get(name, 0))
-        return self.oracle.fits(extra, self.free())
-
-    @staticmethod
-    def _max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-        return {k: max(a.get(k, 0), b.get(k, 0)) for k in {*a, *b}}
-
     # ------------------------------------------------------------------ after the step ran
     def chunk_done(self, chunk: PrefillChunk) -> None:
         """The engine ran ``chunk``; a final chunk turns the request to decoding, its reservation to resident."""
@@ -268,3 +252,12 @@ class Scheduler:
         """The engine ran one decode step of ``request``: shrink its reservation to what stays resident."""
         request.num_decoded += 1
         self._set_reservation(request, self._pages(self._resident(request)))
+
+
+def _summed(costs) -> dict[str, int]:
+    """Costs ``{resource: amount}`` added up per resource."""
+    total: dict[str, int] = {}
+    for cost in costs:
+        for name, value in cost.items():
+            total[name] = total.get(name, 0) + value
+    return total
