@@ -275,19 +275,34 @@ def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, w
     return {"method": method, "context": context, "largest_batch": lo, "fails_at": hi, "point": point}
 
 
-def prefill_point(model, method: str, context: int, chunk: int) -> dict:
-    """Wall time of one chunked prefill of ``context`` tokens (batch 1) through the patched forward."""
+def prefill_point(model, method: str, context: int, chunk: int, profile_path: str | None = None) -> dict:
+    """Wall time of one chunked prefill of ``context`` tokens (batch 1) through the patched forward
+    (the second of two runs: the first compiles the Triton kernels); with ``profile_path`` a third run
+    is recorded by torch.profiler."""
     sparsecompile.optimize(model, method, compile=False, prefill_chunk_size=chunk, **METHOD_OPTIONS[method])
     ids = torch.randint(3, 1000, (1, context), device="cuda")
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model(input_ids=ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        (out["cache"] if "cache" in out else out["past_key_values"]).release()
+        return seconds
+
     try:
-        for _ in range(2):  # the first run compiles the Triton kernels
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = model(input_ids=ids, logits_to_keep=1)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            cache = out["cache"] if "cache" in out else out["past_key_values"]
-            cache.release()
+        run()
+        seconds = run()
+        if profile_path:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run()
+            with open(profile_path, "w") as handle:
+                handle.write(f"one {context}-token prefill in chunks of {chunk}\n")
+                handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                                       max_name_column_width=90))
     finally:
         sparsecompile.restore(model)
     return {"prefill": method, "context": context, "chunk": chunk, "seconds": seconds,
@@ -337,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--profile", default="32768x1", help="engine points profiled with torch.profiler")
     parser.add_argument("--prefill", default="vanilla,snapkv,h2o", help="methods whose 32K chunked prefill is timed")
+    parser.add_argument("--profile-prefill", action="store_true", help="record each timed prefill with torch.profiler")
     parser.add_argument("--tag", default="", help="suffix of the result files (decode<TAG>.jsonl / .png)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
@@ -365,7 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         for context, batch in points:
             path = (os.path.join(args.out, f"profile_{method}_{context // 1024}k_b{batch}.txt")
                     if (context, batch) in profiled else None)
-            emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth, path))
+            try:
+                emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth, path))
+            except Exception as err:  # one failing point (a kernel error, out of memory) does not end the run
+                row = {"method": method, "context": context, "batch": batch, "error": f"{type(err).__name__}: {err}"}
+                out.write(json.dumps(row) + "\n")
+                print(json.dumps(row)[:2000], flush=True)
             gc.collect()
             torch.cuda.empty_cache()
     if not args.no_hf:
@@ -387,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
     for method in [m for m in args.prefill.split(",") if m in sparsecompile.available_methods()]:
-        row = prefill_point(model, method, 32768, 2048)
+        path = os.path.join(args.out, f"profile_prefill_{method}_32k.txt") if args.profile_prefill else None
+        row = prefill_point(model, method, 32768, 2048, path)
         out.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
         gc.collect()

@@ -9,12 +9,14 @@ from torch import nn
 
 from .methods import MethodConfigError, build_runtime, method_class
 from .models.attention import ATTN_IMPLEMENTATION, register_attention
+from .models.colocate import colocate_projections, separate_projections
 from .models.hf_patch import install, install_sdpa_fallback, uninstall
 from .models.support import UnsupportedModelError, attention_modules, inspect_model, model_dtype_device, text_config
 from .passes import CaptureError, capture_backend
 from .runtime.controller import EngineConfig, SparseController
 
-_ENGINE_OPTIONS = ("page_size", "prefill_chunk_size", "compile", "cuda_graphs", "num_pages", "show_progress")
+_ENGINE_OPTIONS = ("page_size", "prefill_chunk_size", "compile", "cuda_graphs", "num_pages", "show_progress",
+                   "fuse_projections")
 
 
 def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Module:
@@ -26,7 +28,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         **options: the method's options (see its config dataclass) and engine options:
             ``page_size`` (16), ``prefill_chunk_size`` (2048; 0 = whole prompt), ``compile`` ("auto": decode
             steps compiled on CUDA), ``cuda_graphs`` ("auto"), ``num_pages`` (None: sized on demand),
-            ``show_progress`` (False).
+            ``show_progress`` (False), ``fuse_projections`` (True: with compiled decode, q/k/v and gate/up
+            weights share one buffer per layer, so each group is one GEMM; ``restore()`` separates them).
 
     Raises:
         MethodConfigError: unknown method, unknown or out-of-range option.
@@ -74,8 +77,11 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     model.__dict__["_sparsecompile_previous_attn"] = previous
     if _want(config.compile, device):
         cuda_graphs = _want(config.cuda_graphs, device) and device.type == "cuda"
+        if config.fuse_projections:
+            colocate_projections(model)
         controller.enable_compiled_decode(capture_backend(info.num_layers, cuda_graphs,
-                                                          keep_order=runtime.reads_pool_across_layers))
+                                                          keep_order=runtime.reads_pool_across_layers,
+                                                          fuse_linears=config.fuse_projections))
     return model
 
 
@@ -85,6 +91,7 @@ def restore(model: nn.Module) -> nn.Module:
     if patched is None:
         return model
     uninstall(model, [m for _, m in attention_modules(model)])
+    separate_projections(model)
     _set_attn(model, model.__dict__.pop("_sparsecompile_previous_attn", None) or "sdpa")
     return model
 

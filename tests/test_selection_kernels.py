@@ -160,12 +160,60 @@ def test_triton_omnikv_scores_match_reference():
 
 
 @triton_only
-@pytest.mark.parametrize("max_tile", [16384, 8], ids=["one-tile", "streamed"])
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
-def test_triton_topk_select_matches_reference(n, k, max_tile):
+def test_triton_topk_select_matches_reference(n, k):
     from sparsecompile.kernels.topk_select import topk_select_triton
 
     scores = _topk_case(n, n + 1).to(DEVICE)
     counts = torch.tensor([[0, 3, k], [1, k + 4, 2]], device=DEVICE)
-    got = topk_select_triton(scores, counts, k, max_tile=max_tile)
+    got = topk_select_triton(scores, counts, k)
     assert torch.equal(got, topk_select_reference(scores, counts, k))
+
+
+@pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16), (300, 40)])
+def test_long_row_topk_select_matches_reference(n, k):
+    """The torch path for rows longer than a Triton tile: same kept set, order, tie rule and padding."""
+    from sparsecompile.kernels.topk_select import _topk_select_long
+
+    scores = _topk_case(n, n + 1)
+    scores[1, 0, : n // 2] = float("-inf")  # fewer finite entries than some counts ask for
+    scores[0, 2, 3] = float("inf")
+    counts = torch.tensor([[0, 3, k], [n, k + 4, 2]])
+    got = _topk_select_long(scores, counts, k)
+    assert got.is_contiguous()  # the op's fake (meta) output is contiguous: compiled graphs rely on it
+    assert torch.equal(got, topk_select_reference(scores, counts, k))
+
+
+@triton_only
+@pytest.mark.parametrize("kv_heads", [2, 3])
+def test_triton_decode_page_minmax_update_matches_reference(kv_heads):
+    """One key per sequence: a page's first slot resets its summary, later slots fold in, padding (-1) only
+    touches the trash page; a non-power-of-two head count is masked."""
+    from sparsecompile.kernels.quest_scores import page_minmax_update_reference, page_minmax_update_triton
+
+    g = torch.Generator().manual_seed(kv_heads)
+    kmin = torch.randn(POOL + 1, kv_heads, DIM, generator=g)
+    kmax = kmin + torch.rand(POOL + 1, kv_heads, DIM, generator=g)
+    key = torch.randn(4, kv_heads, 1, DIM, generator=g)
+    slots = torch.tensor([[PAGE * 3], [PAGE * 5 + 2], [-1], [PAGE * 7 + PAGE - 1]])
+    want_min, want_max = kmin.clone(), kmax.clone()
+    page_minmax_update_reference(want_min, want_max, key, slots, PAGE)
+    got_min, got_max = kmin.to(DEVICE), kmax.to(DEVICE)
+    page_minmax_update_triton(got_min, got_max, key.to(DEVICE), slots.to(DEVICE), PAGE)
+    real = torch.arange(POOL)  # the trash page (last) holds whatever padding left there
+    assert torch.equal(got_min.cpu()[real], want_min[real]) and torch.equal(got_max.cpu()[real], want_max[real])
+    assert torch.equal(got_min.cpu()[3], key[0, :, 0])  # reset, not folded into the stale summary
+
+
+@triton_only
+def test_triton_quest_scores_with_three_kv_heads():
+    from sparsecompile.kernels.quest_scores import quest_page_scores_triton
+
+    g = torch.Generator().manual_seed(11)
+    kmin = torch.randn(POOL, 3, DIM, generator=g)
+    kmax = kmin + torch.rand(POOL, 3, DIM, generator=g)
+    query = torch.randn(2, 3 * GROUP, DIM, generator=g)
+    pages = torch.stack([torch.randperm(POOL, generator=g)[:7] for _ in range(2)]).to(torch.int32)
+    case = (query, kmin, kmax, pages, torch.tensor([7, 3]))
+    torch.testing.assert_close(quest_page_scores_triton(*(t.to(DEVICE) for t in case)).cpu(),
+                               quest_page_scores_reference(*case), atol=1e-5, rtol=1e-5)

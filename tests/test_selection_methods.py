@@ -244,6 +244,43 @@ def test_tokens_read_reported_next_to_resident(method, options):
     _cache(out).release()
 
 
+def _scramble(runtime, manager):
+    """Lose what the prefill built: random Quest summaries, OmniKV's prompt lengths forgotten."""
+    if runtime.name == "quest":
+        manager.page_metadata[KMIN].normal_()
+        manager.page_metadata[KMAX].normal_()
+    else:
+        runtime.prompt.zero_()
+
+
+@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1)),
+                                            ("omnikv", dict(budget=4, filter_layers="1"))])
+def test_loaded_kv_rebuilds_method_state(method, options):
+    """``on_kv_loaded`` (a KV import, the benchmark's synthetic fill) rebuilds what the prefill built: generation
+    after scrambling the state and reloading equals the undisturbed one; without the reload it differs."""
+    _, model = tiny_pair("llama", seed=5, num_hidden_layers=3)
+    sparsecompile.optimize(model, method, page_size=4, **options)
+    controller = _controller(model)
+    runtime = controller.runtime
+    ids, mask = left_padded_batch((23, 19, 14), seed=6)
+    want = model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    original = runtime.commit_step
+    outputs = {}
+    for reload in (True, False):
+        def commit(manager, step, reload=reload):
+            original(manager, step)
+            if step.is_prefill and step.is_last_chunk:
+                _scramble(runtime, manager)
+                if reload:
+                    runtime.on_kv_loaded(manager, step.row_ids, [int(n) for n in mask.sum(1)])
+
+        runtime.commit_step = commit
+        outputs[reload] = model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    runtime.commit_step = original
+    assert torch.equal(outputs[True], want)
+    assert not torch.equal(outputs[False], want)  # the scrambling matters: the reload is what fixed it
+
+
 def test_quest_memory_oracle_reports_metadata_per_page():
     runtime, _ = _quest_setup(16)
     oracle = runtime.memory_oracle(KVLayout(L, H, D, P, torch.bfloat16, torch.device("cpu")))

@@ -46,7 +46,10 @@ if triton is not None:
     @triton.jit
     def _omnikv_scores_kernel(Q, K, PAGES, LIMIT, OUT, stride_qb, stride_qh, stride_pb, stride_ob, slots,
                               KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                              BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+        # One program: BLOCK_S slots of one sequence; per KV head, the group's logits come from one tensor-core
+        # product [group, dim] x [dim, slots] (the KV-head loop is a runtime loop, so its loads pipeline).
         b = tl.program_id(0)
         j = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
         limit = tl.load(LIMIT + b).to(tl.int64)
@@ -54,13 +57,19 @@ if triton is not None:
         page = tl.load(PAGES + b * stride_pb + j // PAGE, mask=valid, other=0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
+        g = tl.arange(0, BLOCK_G)
+        gmask = g < GROUP
         best = tl.full([BLOCK_S], float("-inf"), tl.float32)
-        for h in tl.static_range(KV_HEADS):
+        for h in range(KV_HEADS):
             base = ((page * KV_HEADS + h) * PAGE + j % PAGE) * HEAD_DIM
-            k = tl.load(K + base[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-            for g in tl.static_range(GROUP):
-                q = tl.load(Q + b * stride_qb + (h * GROUP + g) * stride_qh + d, mask=dmask, other=0.0)
-                best = tl.maximum(best, tl.sum(k * q.to(tl.float32)[None, :], 1))
+            k = tl.load(K + base[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            q = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+                        mask=gmask[:, None] & dmask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            best = tl.maximum(best, tl.max(tl.where(gmask[:, None], s, float("-inf")), 0))
         best = tl.where(valid, best, float("-inf"))
         tl.store(OUT + b * stride_ob + j, best, mask=j < slots)
 
@@ -80,10 +89,12 @@ def omnikv_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pages: torch
     if out.numel() == 0:
         return out
     block_s = min(128, max(16, triton.next_power_of_2(slots)))
+    group = q_heads // kv_heads
     _omnikv_scores_kernel[(batch, triton.cdiv(slots, block_s))](
         query, k_pool, pages, limit, out, query.stride(0), query.stride(1), pages.stride(0), out.stride(0), slots,
-        KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, PAGE=page_size, HEAD_DIM=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=block_s,
+        KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, HEAD_DIM=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_S=block_s, IEEE=query.dtype == torch.float32, num_warps=4, num_stages=3,
     )
     return out
 

@@ -50,28 +50,59 @@ if triton is not None:
     @triton.jit
     def _quest_scores_kernel(Q, KMIN, KMAX, PAGES, NUM, OUT, stride_qb, stride_qh, stride_pb, stride_ob, stride_oh,
                              max_pages, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
-        pid_bh = tl.program_id(0)
-        pid_p = tl.program_id(1)
-        b = pid_bh // KV_HEADS
-        h = pid_bh % KV_HEADS
-        j = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                             IEEE: tl.constexpr):
+        # One program: BLOCK_P pages of one sequence, all KV heads (a runtime loop, so loads pipeline). Per head,
+        # sum_c max(q_c lo_c, q_c hi_c) = max(q, 0) . hi + min(q, 0) . lo: two tensor-core products
+        # [group, dim] x [dim, pages], then the max over the group.
+        b = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
         used = tl.load(NUM + b).to(tl.int64)
         valid = (j < max_pages) & (j < used)
         page = tl.load(PAGES + b * stride_pb + j, mask=valid, other=0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
-        base = (page * KV_HEADS + h) * HEAD_DIM  # kmin / kmax are contiguous [pool_pages, kv_heads, head_dim]
+        g = tl.arange(0, BLOCK_G)
+        gmask = g < GROUP
         m2 = valid[:, None] & dmask[None, :]
-        lo = tl.load(KMIN + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        hi = tl.load(KMAX + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        for g in tl.static_range(GROUP):
-            q = tl.load(Q + b * stride_qb + (h * GROUP + g) * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-            s = tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), 1)
-            best = tl.maximum(best, s)
-        best = tl.where(valid, best, float("-inf"))
-        tl.store(OUT + b * stride_ob + h * stride_oh + j, best, mask=j < max_pages)
+        for h in range(KV_HEADS):
+            offs = (page[:, None] * KV_HEADS + h) * HEAD_DIM + d[None, :]
+            lo = tl.load(KMIN + offs, mask=m2, other=0.0)  # [BLOCK_P, BLOCK_D]
+            hi = tl.load(KMAX + offs, mask=m2, other=0.0)
+            q = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+                        mask=gmask[:, None] & dmask[None, :], other=0.0).to(lo.dtype)  # [BLOCK_G, BLOCK_D]
+            zero = tl.zeros_like(q)
+            # (Triton computes bf16 min / max in fp32: cast back for the tensor-core operands.)
+            q_pos, q_neg = tl.maximum(q, zero).to(lo.dtype), tl.minimum(q, zero).to(lo.dtype)
+            if IEEE:
+                s = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
+                s = tl.dot(q_neg, tl.trans(lo), s, input_precision="ieee")
+            else:
+                s = tl.dot(q_pos, tl.trans(hi))
+                s = tl.dot(q_neg, tl.trans(lo), s)
+            best = tl.max(tl.where(gmask[:, None], s, float("-inf")), 0)  # [BLOCK_P]
+            best = tl.where(valid, best, float("-inf"))
+            tl.store(OUT + b * stride_ob + h * stride_oh + j, best, mask=j < max_pages)
+
+    @triton.jit
+    def _page_minmax_decode_kernel(KMIN, KMAX, KEY, SLOTS, stride_kb, stride_kh, stride_sb, trash_page,
+                                   PAGE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program per sequence: its one new key (all KV heads) folded into its page, or the page reset.
+        b = tl.program_id(0)
+        slot = tl.load(SLOTS + b * stride_sb).to(tl.int64)
+        page = tl.where(slot >= 0, slot // PAGE, trash_page)  # padding rows land on the trash page
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        m2 = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        key = tl.load(KEY + b * stride_kb + h[:, None] * stride_kh + d[None, :], mask=m2, other=0.0)
+        key = key.to(KMIN.dtype.element_ty)
+        offs = (page * KV_HEADS + h[:, None]) * HEAD_DIM + d[None, :]
+        first = (slot >= 0) & (slot % PAGE == 0)
+        lo = tl.load(KMIN + offs, mask=m2, other=0.0)
+        hi = tl.load(KMAX + offs, mask=m2, other=0.0)
+        tl.store(KMIN + offs, tl.where(first, key, tl.minimum(lo, key)).to(KMIN.dtype.element_ty), mask=m2)
+        tl.store(KMAX + offs, tl.where(first, key, tl.maximum(hi, key)).to(KMAX.dtype.element_ty), mask=m2)
 
 
 def quest_page_scores_triton(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
@@ -88,12 +119,13 @@ def quest_page_scores_triton(query: torch.Tensor, kmin: torch.Tensor, kmax: torc
     out = torch.empty(batch, kv_heads, max_pages, dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
+    group = q_heads // kv_heads
     block_p = min(64, max(16, triton.next_power_of_2(max_pages)))
-    grid = (batch * kv_heads, triton.cdiv(max_pages, block_p))
-    _quest_scores_kernel[grid](
+    _quest_scores_kernel[(batch, triton.cdiv(max_pages, block_p))](
         query, kmin, kmax, pages, num_pages, out, query.stride(0), query.stride(1), pages.stride(0),
-        out.stride(0), out.stride(1), max_pages, KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, HEAD_DIM=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_P=block_p,
+        out.stride(0), out.stride(1), max_pages, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_P=block_p, IEEE=kmin.dtype == torch.float32, num_warps=4, num_stages=3,
     )
     return out
 
@@ -144,6 +176,24 @@ def _page_minmax_update_fake(kmin, kmax, key, slots, page_size) -> None:
     return None
 
 
+def page_minmax_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor, slots: torch.Tensor,
+                              page_size: int) -> None:
+    """CUDA: one new key per sequence (decode) in one Triton launch; several (prefill, where keys of one page
+    would race) through the reference."""
+    kv_heads, dim = kmin.shape[1], kmin.shape[2]
+    if key.shape[2] != 1 or not (kmin.is_contiguous() and kmax.is_contiguous()):
+        page_minmax_update_reference(kmin, kmax, key, slots, page_size)
+        return
+    if key.stride(3) != 1:
+        key = key.contiguous()
+    _page_minmax_decode_kernel[(key.shape[0],)](
+        kmin, kmax, key, slots, key.stride(0), key.stride(1), slots.stride(0), kmin.shape[0] - 1,
+        PAGE=page_size, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+    )
+
+
 page_minmax_update = define_op(
     "page_minmax_update(Tensor(a!) kmin, Tensor(b!) kmax, Tensor key, Tensor slots, int page_size) -> ()",
-    cpu=page_minmax_update_reference, cuda=page_minmax_update_reference, fake=_page_minmax_update_fake)
+    cpu=page_minmax_update_reference, cuda=page_minmax_update_triton if triton is not None else None,
+    fake=_page_minmax_update_fake)

@@ -7,10 +7,11 @@ last), padded with ``-1`` up to the static width ``k``. Ties at the threshold go
 so the selection is deterministic (unlike ``torch.topk``). Callers force an entry in with a score of
 ``+inf`` and keep one out with ``-inf`` (and a count that does not reach it).
 
-On CUDA a Triton kernel does a radix select (32 one-bit passes over the row find the ``count``-th
-largest score, then one ordered pass writes the winners with a running prefix sum): no sort, and the
-output is ascending by construction. A row of up to 16K scores is loaded once and every pass runs
-from registers; longer rows stream ``O(33 * n)`` reads in one program.
+On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton radix select: one program loads the
+row once as 32-bit order keys, 32 one-bit passes find the ``count``-th largest, and one ordered pass
+writes the winners with a running prefix sum (no sort; ascending by construction). Longer rows
+(OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over many
+blocks, and the same tie rule and prefix-sum placement in torch ops.
 """
 
 from __future__ import annotations
@@ -49,93 +50,92 @@ def topk_select_reference(scores: torch.Tensor, counts: torch.Tensor, k: int) ->
     return torch.where(out < n, out, torch.full_like(out, -1))
 
 
+def _row_cumsum(x: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Inclusive int64 cumsum along the last dim, in blocks: a scan over a few very long rows runs one block
+    per row on CUDA (hundreds of microseconds at 128K); blocks of ``block`` then a scan of block totals do not."""
+    n = x.shape[-1]
+    pad = -n % block
+    xb = torch.nn.functional.pad(x.long(), (0, pad)).view(*x.shape[:-1], -1, block)
+    local = xb.cumsum(-1)
+    before = local[..., -1].cumsum(-1) - local[..., -1]  # totals of the earlier blocks
+    return (local + before[..., None]).view(*x.shape[:-1], -1)[..., :n]
+
+
+def _topk_select_long(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """Torch ops with the semantics of :func:`topk_select_reference` for long rows (``torch.topk`` splits a long
+    row over many blocks; one Triton program per row would stream it 33 times). The ``count``-th largest value is
+    the threshold; entries above it are taken, ties at it lowest index first; a running count places them."""
+    n = scores.shape[-1]
+    s = scores.float()
+    c = counts.long().clamp(0, min(k, n))[..., None]  # [batch, heads, 1]
+    top = s.topk(min(k, n), dim=-1).values  # descending
+    thr = top.gather(-1, (c - 1).clamp(min=0))
+    above = s > thr
+    tie = s == thr
+    ties = c - above.sum(-1, keepdim=True)
+    take = (above | (tie & (_row_cumsum(tie) <= ties))) & (c > 0)
+    dst = torch.where(take, _row_cumsum(take) - 1, k)
+    out = torch.full((*s.shape[:-1], k + 1), -1, dtype=torch.int64, device=s.device)
+    return out.scatter_(-1, dst, torch.arange(n, device=s.device).expand_as(dst))[..., :k].contiguous()
+
+
 if triton is not None:
 
     @triton.jit
     def _order_key(x):
-        """float32 -> int64 key in ``[0, 2**32)`` with the same order (IEEE bits, negatives flipped)."""
-        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
-        return tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+        """float32 -> uint32 key with the same order (IEEE bits, negatives flipped)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
 
     @triton.jit
     def _topk_select_kernel(S, C, OUT, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
-                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row; the row is one tile in registers and every radix pass runs from there.
         pid = tl.program_id(0)
         b = pid // HEADS
         h = pid % HEADS
         row = S + b * stride_sb + h * stride_sh
         out = OUT + b * stride_ob + h * stride_oh
-        count = tl.load(C + b * stride_cb + h * stride_ch).to(tl.int64)
+        count = tl.load(C + b * stride_cb + h * stride_ch).to(tl.int32)
         count = tl.minimum(tl.maximum(count, 0), tl.minimum(k_out, n))
         offs = tl.arange(0, BLOCK)
-        if ONE_TILE:
-            # The whole row fits one tile: load it once and run every pass from registers.
-            valid = offs < n
-            key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
-            thr = tl.zeros([], dtype=tl.int64)
-            for i in range(32):
-                cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
-                thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int64), 0) >= count, cand, thr)
-            ties = count - tl.sum((valid & (key > thr)).to(tl.int64), 0)
-            is_eq = (valid & (key == thr)).to(tl.int64)
-            take = (valid & (key > thr)) | ((is_eq > 0) & (tl.cumsum(is_eq, 0) - is_eq < ties))
-            take_i = tl.where(take & (count > 0), 1, 0).to(tl.int64)
-            tl.store(out + tl.cumsum(take_i, 0) - take_i, offs.to(tl.int64), mask=take_i > 0)
-            written = tl.sum(take_i, 0)
-        else:
-            # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key.
-            thr = tl.zeros([], dtype=tl.int64)
-            for i in range(32):
-                cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
-                total = tl.zeros([], dtype=tl.int64)
-                for start in range(0, n, BLOCK):
-                    idx = start + offs
-                    key = _order_key(tl.load(row + idx, mask=idx < n, other=0.0).to(tl.float32))
-                    total += tl.sum(((idx < n) & (key >= cand)).to(tl.int64), 0)
-                thr = tl.where(total >= count, cand, thr)
-            greater = tl.zeros([], dtype=tl.int64)
-            for start in range(0, n, BLOCK):
-                idx = start + offs
-                key = _order_key(tl.load(row + idx, mask=idx < n, other=0.0).to(tl.float32))
-                greater += tl.sum(((idx < n) & (key > thr)).to(tl.int64), 0)
-            ties = count - greater  # keys equal to the threshold still to take, lowest index first
-            written = tl.zeros([], dtype=tl.int64)
-            tie_seen = tl.zeros([], dtype=tl.int64)
-            for start in range(0, n, BLOCK):
-                idx = start + offs
-                valid = idx < n
-                key = _order_key(tl.load(row + idx, mask=valid, other=0.0).to(tl.float32))
-                is_eq = (valid & (key == thr)).to(tl.int64)
-                tie_rank = tie_seen + tl.cumsum(is_eq, 0) - is_eq
-                take = (valid & (key > thr)) | ((is_eq > 0) & (tie_rank < ties))
-                take_i = tl.where(take & (count > 0), 1, 0).to(tl.int64)
-                dst = written + tl.cumsum(take_i, 0) - take_i
-                tl.store(out + dst, idx.to(tl.int64), mask=take_i > 0)
-                written += tl.sum(take_i, 0)
-                tie_seen += tl.sum(is_eq, 0)
+        valid = offs < n
+        key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
+        # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key.
+        thr = tl.zeros([], dtype=tl.uint32)
+        for i in range(32):
+            cand = thr | (tl.full([], 1, tl.uint32) << (31 - i))
+            thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int32), 0) >= count, cand, thr)
+        ties = count - tl.sum((valid & (key > thr)).to(tl.int32), 0)  # keys equal to it to take, lowest index first
+        is_eq = (valid & (key == thr)).to(tl.int32)
+        take = (valid & (key > thr)) | ((is_eq > 0) & (tl.cumsum(is_eq, 0) - is_eq < ties))
+        take_i = tl.where(take & (count > 0), 1, 0).to(tl.int32)
+        tl.store(out + tl.cumsum(take_i, 0) - take_i, offs.to(tl.int64), mask=take_i > 0)
+        written = tl.sum(take_i, 0)
         for start in range(0, k_out, BLOCK):
             idx = start + offs
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
 
 
 def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384) -> torch.Tensor:
-    """Triton launch with the semantics of :func:`topk_select_reference`.
+    """CUDA implementation with the semantics of :func:`topk_select_reference`.
 
-    Rows of up to ``max_tile`` scores are loaded once into one tile and the 33 passes run from registers;
-    longer rows stream through tiles of 1024 scores on every pass.
+    Rows of up to ``max_tile`` scores: the Triton radix select, one program per row. Longer rows (OmniKV's
+    prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads a row over many blocks.
     """
     batch, heads, n = scores.shape
+    if n > max_tile:
+        return _topk_select_long(scores, counts, k)
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(batch, heads, k, dtype=torch.int64, device=scores.device)
     if batch * heads == 0 or k == 0:
         return out
-    one_tile = n <= max_tile
-    block = max(16, triton.next_power_of_2(max(n, k))) if one_tile else 1024
+    block = max(16, triton.next_power_of_2(max(n, k)))
     _topk_select_kernel[(batch * heads,)](
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
-        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, ONE_TILE=one_tile,
-        num_warps=8 if block >= 4096 else 4,
+        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block,
+        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4,
     )
     return out
 

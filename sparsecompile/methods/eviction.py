@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..kernels import gather_slots
+from ..runtime.host import to_device
 from ..runtime.memory_oracle import MemoryOracle
 from .base import MethodConfig, MethodConfigError, SparseMethodRuntime
 
@@ -170,6 +171,11 @@ class EvictionRuntime(SparseMethodRuntime):
         self._limits: torch.Tensor | None = None  # [max_seqs, 2] (budget, recent) per row, read by compiled decode
         self._counts = np.zeros((0, 0), dtype=np.int64)  # this step's slot counts [batch, layers] (host)
         self._targets = np.zeros((0, 0), dtype=np.int64)  # ... and what they become after finish_step
+        # Device copies for a prefill step that evicts, uploaded once in prepare_step (None otherwise): counts and
+        # targets [batch, layers], and each row's recent_tokens(budget) [batch] (H2O's protected window).
+        self._step_counts: torch.Tensor | None = None
+        self._step_targets: torch.Tensor | None = None
+        self._step_recent: torch.Tensor | None = None
 
     @property
     def decode_interval(self) -> int:
@@ -224,6 +230,23 @@ class EvictionRuntime(SparseMethodRuntime):
             self.reset_rows(fresh)
             self._seen[step.row_ids] += step.num_new_host
         self._counts, self._targets = counts, self.targets(counts, step)
+        self._upload_step(manager, step)
+
+    def _upload_step(self, manager: CacheManager, step: StepState) -> None:
+        """Device copies of what the prefill eviction reads per layer, in one non-blocking transfer.
+
+        Per-layer ``torch.as_tensor(..., device=cuda)`` would synchronise the host with the GPU once per layer.
+        Decode steps and prefill steps that evict nothing upload nothing.
+        """
+        self._step_counts = self._step_targets = self._step_recent = None
+        if not step.is_prefill or not (self._targets < self._counts).any():
+            return
+        layers = self._counts.shape[1]
+        recent = [self.recent_tokens(self.config.budget_for(int(self._seen[r]))) for r in step.row_ids]
+        packed = np.concatenate([self._counts, self._targets, np.asarray(recent, dtype=np.int64)[:, None]], axis=1)
+        values = to_device(packed.astype(np.int64, copy=False), manager.layout.device)
+        self._step_counts, self._step_targets = values[:, :layers], values[:, layers: 2 * layers]
+        self._step_recent = values[:, 2 * layers]
 
     def reset_rows(self, rows: list[int]) -> None:
         """Forget per-row method state of rows that start a new sequence (host)."""
@@ -247,8 +270,9 @@ class EvictionRuntime(SparseMethodRuntime):
             return
         budgets = [self.layer_budgets(int(self._seen[r]))[0] for r in rows]
         self._decode_budget[rows] = budgets
-        limits = torch.tensor([[b, self.recent_tokens(b)] for b in budgets], dtype=torch.int64)
-        self._limits[torch.tensor(rows)] = limits.to(self._limits.device)
+        limits = np.array([[b, self.recent_tokens(b)] for b in budgets], dtype=np.int64).reshape(-1, 2)
+        device = self._limits.device
+        self._limits[to_device(np.asarray(rows, dtype=np.int64), device)] = to_device(limits, device)
 
     def finish_step(self, manager: CacheManager, step: StepState) -> None:
         if step.is_prefill:
@@ -257,16 +281,19 @@ class EvictionRuntime(SparseMethodRuntime):
             self._evict_decode(manager, step)
 
     def _evict_prefill(self, manager: CacheManager, step: StepState) -> None:
-        """Eager: per layer with a row over its target, keep the target's best slots in slot order."""
+        """Eager: per layer with a row over its target, keep the target's best slots in slot order.
+
+        Widths come from the host counts; the per-row counts and targets the device needs were uploaded once in
+        :meth:`prepare_step`, so this loop queues device work without waiting for it.
+        """
         for layer in np.nonzero((self._targets < self._counts).any(0))[0].tolist():
-            counts, targets = self._counts[:, layer], self._targets[:, layer]
-            width = int(counts.max())
+            width, k_max = int(self._counts[:, layer].max()), int(self._targets[:, layer].max())
+            counts, keep = self._step_counts[:, layer], self._step_targets[:, layer]
             scores = self.prefill_scores(manager, step, layer, width)
             slot = torch.arange(width, device=scores.device)
-            scores = torch.where(slot < torch.as_tensor(counts, device=scores.device)[:, None, None], scores, -INF)
-            keep = torch.as_tensor(targets, device=scores.device)
-            kept = select_keep(scores, keep, int(targets.max()))
-            active = torch.as_tensor(targets < counts, device=scores.device)[:, None, None]
+            scores = torch.where(slot < counts[:, None, None], scores, -INF)
+            kept = select_keep(scores, keep, k_max)
+            active = (keep < counts)[:, None, None]
             compact_kept(manager, layer, step.rows, torch.where(active, kept, -1))
 
     def _evict_decode(self, manager: CacheManager, step: StepState) -> None:

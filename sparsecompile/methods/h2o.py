@@ -30,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..kernels import gather_slots, h2o_accumulate
+from ..runtime.host import to_device
 from .base import LayerContext, MethodConfigError
 from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive, recent_mask, resident
 from .registry import register_method
@@ -94,7 +96,7 @@ class H2ORuntime(EvictionRuntime):
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         """Loaded entries start with score zero (no attention was observed for them)."""
         super().on_kv_loaded(manager, rows, prompt_lengths)
-        rows_t = torch.tensor(rows, device=manager.layout.device)
+        rows_t = to_device(np.asarray(rows, dtype=np.int64), manager.layout.device)
         counts = manager.slot_count_array(rows)
         for layer in range(self.model.num_layers):
             slots, valid, _ = resident(manager, layer, rows_t, int(counts[:, layer].max()))
@@ -113,9 +115,7 @@ class H2ORuntime(EvictionRuntime):
 
     def prefill_scores(self, manager: CacheManager, step: StepState, layer: int, width: int) -> torch.Tensor:
         slots, _, pos = resident(manager, layer, step.rows, width)
-        budgets = [self.config.budget_for(int(self._seen[r])) for r in step.row_ids]
-        recent = torch.tensor([self.recent_tokens(b) for b in budgets], device=pos.device)
-        return self._scores(manager, slots, pos, recent)
+        return self._scores(manager, slots, pos, self._step_recent)  # recent_tokens(budget) per row, uploaded once
 
     def decode_scores(self, manager: CacheManager, step: StepState, layer: int, slots: torch.Tensor,
                       pos: torch.Tensor) -> torch.Tensor:

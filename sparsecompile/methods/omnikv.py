@@ -34,6 +34,7 @@ import torch
 
 from ..kernels.omnikv_scores import omnikv_scores
 from ..kernels.topk_select import topk_select
+from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import Selection, SlotSelection
 from .base import LayerContext, MethodConfig, MethodConfigError, SparseMethodRuntime
@@ -152,8 +153,17 @@ class OmniKVRuntime(SparseMethodRuntime):
         self._ensure_buffers(manager)  # the manager may have grown (rows, block-table width)
         self.reads.prepare(manager, step)
         if step.is_prefill:  # host-authoritative counts: all layers hold the same slots (no eviction)
-            counts = torch.from_numpy(manager.slot_count_array(step.row_ids)[:, 0].copy())
-            self.prompt[torch.tensor(step.row_ids, device=self.prompt.device)] = counts.to(self.prompt.device)
+            counts, device = manager.slot_count_array(step.row_ids)[:, 0], self.prompt.device
+            self.prompt[to_device(step.row_ids, device)] = to_device(counts, device)  # pinned, non-blocking
+
+    def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
+        """Loaded KV is the rows' prompt: every resident slot is a candidate, and no set is chosen yet (the first
+        filter layer of the next decode step chooses it before any sparse layer reads it)."""
+        self._ensure_buffers(manager)
+        index = torch.tensor(rows, device=self.prompt.device)
+        resident = torch.from_numpy(manager.slot_count_array(rows)[:, 0].copy()).to(self.prompt.device)
+        self.prompt[index] = resident
+        self.count[index] = 0
 
     # ---- device hooks
     def _width(self, capacity: int) -> int:

@@ -124,6 +124,22 @@ class QuestRuntime(SparseMethodRuntime):
         manager.register_page_metadata(KMIN, shape, manager.layout.dtype)
         manager.register_page_metadata(KMAX, shape, manager.layout.dtype)
 
+    def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
+        """Rebuild the page summaries of loaded KV from the resident keys (host loop; one row and layer at a time)."""
+        P = manager.layout.page_size
+        kmin, kmax = manager.page_metadata[KMIN], manager.page_metadata[KMAX]
+        counts = manager.slot_count_array(rows)
+        for i, row in enumerate(rows):
+            for layer in range(self.config.dense_layers, self.model.num_layers):
+                count = int(counts[i, layer])
+                if count == 0:
+                    continue
+                pages = torch.tensor(manager.pages_of(row, layer)[: -(-count // P)], device=kmin.device)
+                keys = manager.k_pool[pages].transpose(1, 2)  # [pages, page_size, kv_heads, head_dim]
+                filled = (torch.arange(pages.numel() * P, device=kmin.device) < count).view(-1, P, 1, 1)
+                kmin[pages] = torch.where(filled, keys, float("inf")).amin(1).to(kmin.dtype)
+                kmax[pages] = torch.where(filled, keys, float("-inf")).amax(1).to(kmax.dtype)
+
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         self.reads.prepare(manager, step)
 

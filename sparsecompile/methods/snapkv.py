@@ -94,7 +94,7 @@ class SnapKVRuntime(EvictionRuntime):
             v = ctx.view
             mass = snapkv_scores(queries, v.k_pool, v.pos_pool, v.index, v.lengths, positions, v.block_size,
                                  ctx.scale, ctx.sliding_window)
-            self._pending[layer] = self._pooled(mass, torch.as_tensor(self._counts[:, layer], device=mass.device))
+            self._pending[layer] = self._pooled(mass, self._step_counts[:, layer])  # uploaded in prepare_step
 
     def _update_window(self, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Merge this chunk's queries into each row's window; returns ``[batch, q_heads, w, d]``, ``[batch, w]``."""

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from .fuse_linear import fuse_sibling_linears
+
 
 class CaptureError(RuntimeError):
     """An attention site escaped sparsecompile (it would run dense, silently)."""
@@ -51,16 +53,19 @@ def check_capture(gm: fx.GraphModule, expected_sites: int) -> Counter:
 
 
 def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "inductor",
-                    keep_order: bool = False) -> Callable:
+                    keep_order: bool = False, fuse_linears: bool = True) -> Callable:
     """A dynamo backend: :func:`check_capture`, then inductor (``inner="inductor"``) or eager (``"eager"``).
 
     ``keep_order``: turn off inductor's locality reordering, for methods whose graph reads pool state in one
-    layer that a later layer's op mutates (see below).
+    layer that a later layer's op mutates (see below). ``fuse_linears``: one GEMM per group of sibling
+    projections whose weights share a buffer (:mod:`.fuse_linear`).
     """
 
     def backend(gm: fx.GraphModule, example_inputs):
         check_capture(gm, expected_sites)
         backend.graphs_checked += 1
+        if fuse_linears:
+            backend.fused_groups += fuse_sibling_linears(gm, example_inputs)
         if inner == "eager":
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
@@ -74,4 +79,5 @@ def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "induct
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     backend.graphs_checked = 0
+    backend.fused_groups = 0
     return backend

@@ -34,16 +34,9 @@ import torch
 
 from ..kernels import gather_slots, kv_write
 from .allocator import BlockAllocator, OutOfPages
+from .host import to_device
 from .step import StepState
 from .view import AttentionView, PageSelection, Selection, SlotSelection
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> device tensor; on CUDA through a pinned buffer, without blocking the host."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -261,17 +254,16 @@ class CacheManager:
         dev = self.layout.device
         if self._dirty_rows:
             rows = np.array(sorted(self._dirty_rows), dtype=np.int64)
-            self.block_table[_to_device(rows, dev)] = _to_device(self._host_table[rows], dev)
+            self.block_table[to_device(rows, dev)] = to_device(self._host_table[rows], dev)
             self._dirty_lengths.update(self._dirty_rows)
             self._dirty_rows.clear()
         if self._new_entries:
-            entries = np.array(self._new_entries, dtype=np.int64)
-            self.block_table.index_put_(tuple(_to_device(entries[:, i], dev) for i in range(3)),
-                                        _to_device(entries[:, 3].astype(np.int32), dev))
+            entries = to_device(np.array(self._new_entries, dtype=np.int64), dev)  # (row, layer, index, page)
+            self.block_table.index_put_((entries[:, 0], entries[:, 1], entries[:, 2]), entries[:, 3].to(torch.int32))
             self._new_entries.clear()
         if self._dirty_lengths:
             rows = np.array(sorted(self._dirty_lengths), dtype=np.int64)
-            self.lengths[_to_device(rows, dev)] = _to_device(self._host_lengths[rows].astype(np.int32), dev)
+            self.lengths[to_device(rows, dev)] = to_device(self._host_lengths[rows].astype(np.int32), dev)
             self._dirty_lengths.clear()
 
     def _check_row(self, row: int) -> None:

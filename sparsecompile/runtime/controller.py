@@ -37,6 +37,7 @@ class EngineConfig:
         cuda_graphs: replay compiled decode steps as CUDA graphs ("auto": when compiling on CUDA).
         num_pages: fixed pool size; None sizes it from the method's MemoryOracle and grows on demand.
         show_progress: a progress bar over prefill chunks (the CLI turns it on).
+        fuse_projections: compiled decode runs each layer's q/k/v and gate/up projections as one GEMM per group.
     """
 
     page_size: int = 16
@@ -45,6 +46,7 @@ class EngineConfig:
     cuda_graphs: bool | str = "auto"
     num_pages: int | None = None
     show_progress: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -82,6 +84,7 @@ class SparseController:
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
+        self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
 
@@ -284,4 +287,5 @@ class SparseController:
 
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
+        self.decode_backend = backend
         self._compiled_decode = torch.compile(self._decode_eager, backend=backend, fullgraph=True, dynamic=False)

@@ -92,3 +92,5 @@ def test_generate_with_cuda_graph_decode(dtype):
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
+    # q/k/v and gate/up ran as one GEMM each (as_strided views of the shared buffers, under CUDA graphs)
+    assert model.__dict__["_sparsecompile"].controller.decode_backend.fused_groups == 2 * 3
