@@ -152,18 +152,21 @@ class OmniKVRuntime(SparseMethodRuntime):
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         self._ensure_buffers(manager)  # the manager may have grown (rows, block-table width)
         self.reads.prepare(manager, step)
-        if step.is_prefill:  # host-authoritative counts: all layers hold the same slots (no eviction)
-            counts, device = manager.slot_count_array(step.row_ids)[:, 0], self.prompt.device
-            self.prompt[to_device(step.row_ids, device)] = to_device(counts, device)  # pinned, non-blocking
+        if step.is_prefill:
+            self._set_prompt(manager, step.row_ids)
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         """Loaded KV is the rows' prompt: every resident slot is a candidate, and no set is chosen yet (the first
         filter layer of the next decode step chooses it before any sparse layer reads it)."""
         self._ensure_buffers(manager)
-        index = torch.tensor(rows, device=self.prompt.device)
-        resident = torch.from_numpy(manager.slot_count_array(rows)[:, 0].copy()).to(self.prompt.device)
-        self.prompt[index] = resident
-        self.count[index] = 0
+        self._set_prompt(manager, rows)
+        self.count[to_device(rows, self.count.device)] = 0
+
+    def _set_prompt(self, manager: CacheManager, rows: list[int]) -> None:
+        """Prompt length of ``rows`` = their slots now (host-authoritative; every layer holds the same slots, as
+        nothing is evicted), uploaded pinned and non-blocking."""
+        device = self.prompt.device
+        self.prompt[to_device(rows, device)] = to_device(manager.slot_count_array(rows)[:, 0], device)
 
     # ---- device hooks
     def _width(self, capacity: int) -> int:

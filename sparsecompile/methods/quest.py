@@ -33,6 +33,7 @@ import torch
 
 from ..kernels.quest_scores import page_minmax_update, quest_page_scores
 from ..kernels.topk_select import topk_select
+from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import PageSelection, Selection
 from .base import LayerContext, MethodConfig, MethodConfigError, SparseMethodRuntime
@@ -134,7 +135,7 @@ class QuestRuntime(SparseMethodRuntime):
                 count = int(counts[i, layer])
                 if count == 0:
                     continue
-                pages = torch.tensor(manager.pages_of(row, layer)[: -(-count // P)], device=kmin.device)
+                pages = to_device(manager.pages_of(row, layer)[: -(-count // P)], kmin.device)
                 keys = manager.k_pool[pages].transpose(1, 2)  # [pages, page_size, kv_heads, head_dim]
                 filled = (torch.arange(pages.numel() * P, device=kmin.device) < count).view(-1, P, 1, 1)
                 kmin[pages] = torch.where(filled, keys, float("inf")).amin(1).to(kmin.dtype)

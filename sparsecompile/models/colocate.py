@@ -30,15 +30,15 @@ def _group(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
     return linears
 
 
+def rows_follow(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
+    """``nxt`` starts in ``prev``'s storage right where ``prev`` ends (the layout this module creates)."""
+    return (nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and nxt.storage_offset() == prev.storage_offset() + prev.numel())
+
+
 def _adjacent(tensors: list[torch.Tensor]) -> bool:
     """Already rows of one contiguous buffer, in order."""
-    storage = tensors[0].untyped_storage().data_ptr()
-    offset = tensors[0].storage_offset()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
-            return False
-        offset += t.numel()
-    return True
+    return all(t.is_contiguous() for t in tensors) and all(rows_follow(a, b) for a, b in zip(tensors, tensors[1:]))
 
 
 def _share(params: list[nn.Parameter]) -> None:

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..models.colocate import rows_follow
+
 _LINEAR = (torch._C._nn.linear, F.linear)
 
 
@@ -28,20 +30,16 @@ def _linear_args(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | Non
     return x, w, b
 
 
-def _follows(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
-    return (nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-            and nxt.storage_offset() == prev.storage_offset() + prev.numel())
-
-
 def _runs(members: list[tuple[fx.Node, fx.Node, fx.Node | None]], real: dict[fx.Node, torch.Tensor]) -> list[list]:
-    """Maximal runs (length >= 2) of linears whose weights, and biases, follow each other in one buffer."""
+    """Maximal runs (length >= 2, in storage order) of linears whose weights, and biases, follow each other in one
+    buffer."""
     members = sorted(members, key=lambda m: (real[m[1]].untyped_storage().data_ptr(), real[m[1]].storage_offset()))
     runs, run = [], [members[0]]
     for m in members[1:]:
         p = run[-1]
         wp, wm = real[p[1]], real[m[1]]
-        ok = (_follows(wp, wm) and wm.shape[1] == wp.shape[1] and wm.dtype == wp.dtype
-              and (p[2] is None) == (m[2] is None) and (m[2] is None or _follows(real[p[2]], real[m[2]])))
+        ok = (rows_follow(wp, wm) and wm.shape[1] == wp.shape[1] and wm.dtype == wp.dtype
+              and (p[2] is None) == (m[2] is None) and (m[2] is None or rows_follow(real[p[2]], real[m[2]])))
         if ok:
             run.append(m)
         else:
@@ -71,10 +69,8 @@ def fuse_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> int:
         groups[x].append((node, w, b))
     fused = 0
     for x, members in groups.items():
-        if len(members) < 2:
-            continue
         for run in _runs(members, real):
-            _fuse(graph, x, sorted(run, key=lambda m: order[m[0]]), real, order)
+            _fuse(graph, x, run, min((m[0] for m in run), key=order.__getitem__), real)
             fused += 1
     if fused:
         graph.lint()
@@ -82,10 +78,11 @@ def fuse_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> int:
     return fused
 
 
-def _fuse(graph: fx.Graph, x: fx.Node, run: list, real: dict[fx.Node, torch.Tensor], order: dict) -> None:
-    by_storage = sorted(run, key=lambda m: real[m[1]].storage_offset())
-    w0, b0 = by_storage[0][1], by_storage[0][2]
-    rows = [real[m[1]].shape[0] for m in by_storage]
+def _fuse(graph: fx.Graph, x: fx.Node, run: list, first: fx.Node, real: dict[fx.Node, torch.Tensor]) -> None:
+    """Replace the linears of ``run`` (storage order) by one linear and a split, inserted before ``first``, the
+    run's earliest node in the graph."""
+    w0, b0 = run[0][1], run[0][2]
+    rows = [real[m[1]].shape[0] for m in run]
     cols = real[w0].shape[1]
     total = sum(rows)
 
@@ -99,12 +96,12 @@ def _fuse(graph: fx.Graph, x: fx.Node, run: list, real: dict[fx.Node, torch.Tens
                 new.meta["example_value"] = target(*values)
         return new
 
-    with graph.inserting_before(run[0][0]):
+    with graph.inserting_before(first):
         weight = node(torch.as_strided, w0, (total, cols), (cols, 1), real[w0].storage_offset())
         bias = None if b0 is None else node(torch.as_strided, b0, (total,), (1,), real[b0].storage_offset())
         out = node(torch._C._nn.linear, x, weight, bias)
         parts = node(torch.split, out, rows, -1)
-        pieces = [node(operator.getitem, parts, i) for i in range(len(by_storage))]
-    for (linear, _, _), piece in zip(by_storage, pieces):  # after all insertions: they are placed before run[0]
+        pieces = [node(operator.getitem, parts, i) for i in range(len(run))]
+    for (linear, _, _), piece in zip(run, pieces):  # after all insertions, which were placed before `first`
         linear.replace_all_uses_with(piece)
         graph.erase_node(linear)
