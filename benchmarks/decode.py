@@ -255,7 +255,8 @@ def _fits(model, method: str, context: int, batch: int, extra_tokens: int) -> bo
         torch.cuda.empty_cache()
 
 
-def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, warmup: int, steps: int) -> dict:
+def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, warmup: int, steps: int,
+              profile_dir: str | None = None) -> dict:
     """Largest batch whose KV fits (doubling, then bisection on allocation), verified by running decode at
     it; the proof that one more fails is the allocation of batch + 1 failing (out of memory)."""
     lo, hi = 0, 1
@@ -266,8 +267,9 @@ def max_batch(model, method: str, context: int, wbytes: int, bandwidth: float, w
         lo, hi = (mid, hi) if _fits(model, method, context, mid, warmup + steps) else (lo, mid)
     point = None
     while lo > 0 and point is None:
+        path = os.path.join(profile_dir, f"profile_{method}_{context // 1024}k_b{lo}.txt") if profile_dir else None
         try:
-            point = engine_point(model, method, context, lo, warmup, steps, wbytes, bandwidth)
+            point = engine_point(model, method, context, lo, warmup, steps, wbytes, bandwidth, path)
         except torch.OutOfMemoryError:  # decode itself needs more than the allocation check reserved
             lo, hi = lo - 1, lo
         gc.collect()
@@ -353,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="32768x1", help="engine points profiled with torch.profiler")
     parser.add_argument("--prefill", default="vanilla,snapkv,h2o", help="methods whose 32K chunked prefill is timed")
     parser.add_argument("--profile-prefill", action="store_true", help="record each timed prefill with torch.profiler")
+    parser.add_argument("--profile-max-batch", action="store_true", help="profile the largest-batch points too")
+    parser.add_argument("--append", action="store_true",
+                        help="add to decode<TAG>.jsonl (one grid split over several invocations); the plot shows all")
     parser.add_argument("--tag", default="", help="suffix of the result files (decode<TAG>.jsonl / .png)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
@@ -363,11 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.layers)
     wbytes = weight_bytes(model)
     methods = [m for m in args.methods.split(",") if m in sparsecompile.available_methods()]
-    results: list[Point] = []
-    out = open(os.path.join(args.out, f"decode{args.tag}.jsonl"), "w")
+    results_path = os.path.join(args.out, f"decode{args.tag}.jsonl")
+    out = open(results_path, "a" if args.append else "w")
 
     def emit(point: Point) -> None:
-        results.append(point)
         row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in point.__dict__.items()}
         out.write(json.dumps(row) + "\n")
         out.flush()
@@ -381,8 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         for context, batch in points:
             path = (os.path.join(args.out, f"profile_{method}_{context // 1024}k_b{batch}.txt")
                     if (context, batch) in profiled else None)
+            started = time.perf_counter()
             try:
-                emit(engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth, path))
+                point = engine_point(model, method, context, batch, args.warmup, args.steps, wbytes, bandwidth, path)
+                point.extra["wall_s"] = round(time.perf_counter() - started, 1)  # compile + capture + timing
+                emit(point)
             except Exception as err:  # one failing point (a kernel error, out of memory) does not end the run
                 row = {"method": method, "context": context, "batch": batch, "error": f"{type(err).__name__}: {err}"}
                 out.write(json.dumps(row) + "\n")
@@ -400,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 torch.cuda.empty_cache()
     for method in [m for m in args.max_batch.split(",") if m in sparsecompile.available_methods()]:
-        found = max_batch(model, method, 131072, wbytes, bandwidth, args.warmup, args.steps)
+        found = max_batch(model, method, 131072, wbytes, bandwidth, args.warmup, args.steps,
+                          args.out if args.profile_max_batch else None)
         if found["point"] is not None:
             found["point"].note = f"largest batch; batch {found['fails_at']} does not fit (out of memory)"
             emit(found["point"])
@@ -415,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     out.close()
-    plot(results, os.path.join(args.out, f"decode{args.tag}.png"))
+    with open(results_path) as handle:  # with --append: every invocation's points
+        rows = [json.loads(line) for line in handle]
+    plot([Point(**row) for row in rows if "system" in row], os.path.join(args.out, f"decode{args.tag}.png"))
     return 0
 
 

@@ -1,6 +1,9 @@
 """Kernel microbenchmarks on CUDA: each sparsecompile kernel's achieved GB/s on the bytes it must read.
 
-    python benchmarks/kernels.py [--out benchmarks/results]
+    python benchmarks/kernels.py [--out benchmarks/results] [--sweep]
+
+Decode attention at the benchmark grid's shapes, then every other op at the size the decode benchmark
+(Llama-3.1-8B shape, 128K x 4, budget 2048, page 16) or the 32K chunked prefill gives it.
 
 Times are medians of CUDA-graph replays cycling several inputs (so reads do not come from L2).
 """
@@ -18,7 +21,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
+from sparsecompile.kernels.attention_mass import attention_mass_triton  # noqa: E402
+from sparsecompile.kernels.kv_write import kv_write_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
+from sparsecompile.kernels.quest_scores import page_minmax_update_triton, quest_page_scores_triton  # noqa: E402
+from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
+
+KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16
 
 
 def decode_inputs(batch: int, context: int, selected: int | None, block: int, copies: int = 3,
@@ -57,6 +66,78 @@ def bench_config(sets: list[tuple], info: dict, config: dict | None) -> dict:
     return {**info, "config": config or "default", "us": seconds * 1e6, "GBps": info["MB_read"] * 1e6 / seconds / 1e9}
 
 
+def _op_row(kernel: str, sets: list[tuple], fn, mb_read: float, **info) -> dict:
+    seconds = time_graph([lambda a=a: fn(*a) for a in sets])
+    return {"kernel": kernel, **info, "us": seconds * 1e6, "MB_read": mb_read,
+            "GBps": mb_read * 1e6 / seconds / 1e9 if mb_read else None}
+
+
+def op_rows(copies: int = 3) -> list[dict]:
+    """Every selection / eviction / write op at the decode benchmark's 128K x 4 shapes (or the 32K prefill's)."""
+    bf16, rows = torch.bfloat16, []
+    batch, context = 4, 131072
+    pages = context // PAGE + 11  # the benchmark's block-table rows: the context plus the generated tokens
+    # Quest: page scores over each row's min/max, then top-128 pages of 8,203.
+    sets = []
+    for _ in range(copies):
+        kmin = torch.randn(batch * pages + 1, KV_HEADS, DIM, device="cuda", dtype=bf16)
+        kmax = torch.randn_like(kmin)
+        q = torch.randn(batch, KV_HEADS * GROUP, DIM, device="cuda", dtype=bf16)
+        table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+        sets.append((q, kmin, kmax, table, torch.full((batch,), context // PAGE, device="cuda")))
+    rows.append(_op_row("quest_page_scores", sets, quest_page_scores_triton,
+                        batch * (context // PAGE) * KV_HEADS * DIM * 2 * 2 / 1e6, batch=batch, context=context))
+    key = torch.randn(batch, KV_HEADS, 1, DIM, device="cuda", dtype=bf16)
+    slots = torch.tensor([[5], [PAGE * 9], [-1], [77]], device="cuda")
+    rows.append(_op_row("page_minmax_update (decode)", [(sets[0][1], sets[0][2], key, slots, PAGE)],
+                        page_minmax_update_triton, 0.0, batch=batch))
+    del sets
+    for shape, k in (((batch, KV_HEADS, pages), 2048 // PAGE), ((batch, 1, context + 164), 2048)):
+        sets = [(torch.randn(*shape, device="cuda"), torch.full(shape[:2], k, device="cuda")) for _ in range(copies)]
+        rows.append(_op_row("topk_select", sets, lambda s, c, k=k: topk_select_triton(s, c, k),
+                            shape[0] * shape[1] * shape[2] * 4 / 1e6, shape=list(shape), k=k))
+    # OmniKV's filter layer: dense decode attention that also writes each key's logit, against plain attention.
+    sets, info = decode_inputs(batch, context, None, PAGE, copies=2)
+    plain = _op_row("paged_attention_decode", sets, paged_attention_triton, info["MB_read"], batch=batch,
+                    context=context)
+
+    def with_logits(*a):
+        logits = torch.full((batch, KV_HEADS, a[4].shape[2] * PAGE), float("-inf"), device="cuda")
+        return paged_attention_triton(*a, key_logits=logits)
+
+    fused = _op_row("paged_attention_decode + key_logits", sets, with_logits, info["MB_read"], batch=batch,
+                    context=context)
+    fused["extra_us_vs_plain"] = fused["us"] - plain["us"]
+    rows += [plain, fused]
+    # H2O's decode accumulation at budget 2048 (large batch: eviction methods run there), in place.
+    big = 64
+    sets, info = decode_inputs(big, 2048, None, PAGE, copies=copies)
+    scores = [torch.zeros(a[1].shape[:3], device="cuda") for a in sets]
+    rows.append(_op_row("h2o_accumulate (decode)", [(sc, *a[:7]) for sc, a in zip(scores, sets)],
+                        lambda sc, q, k, v, pos, index, lengths, qpos: attention_mass_triton(
+                            sc, q, k, pos, index, lengths, qpos, PAGE, DIM ** -0.5, 0, per_head=False, weight=0.25),
+                        big * KV_HEADS * 2048 * (DIM * 2 + 4 + 4) / 1e6, batch=big, budget=2048))
+    # KV write of one decode token per sequence.
+    k_pool, v_pool, pos_pool = sets[0][1], sets[0][2], sets[0][3]
+    key = torch.randn(big, KV_HEADS, 1, DIM, device="cuda", dtype=bf16)
+    value = torch.randn_like(key)
+    slot = torch.randperm(k_pool.shape[0] * PAGE, device="cuda")[:big].view(big, 1)
+    rows.append(_op_row("kv_write (decode)", [(k_pool, v_pool, pos_pool, key, value, slot, slot.clone())],
+                        kv_write_triton, 0.0, batch=big))
+    del sets, scores
+    # SnapKV's window scoring at the last 2,048-token chunk of a 32K prefill: 32 window queries over 32K keys.
+    sets, info = decode_inputs(1, 32768, None, PAGE, copies=copies)
+    window = [(torch.randn(1, KV_HEADS * GROUP, 32, DIM, device="cuda", dtype=bf16), *a[1:6],
+               torch.full((1, 32), 10**6, device="cuda")) for a in sets]
+    out = [torch.zeros(1, KV_HEADS * GROUP, a[4].shape[2] * PAGE, device="cuda") for a in sets]
+    rows.append(_op_row("snapkv_scores (prefill, 32 window queries)", [(o, *w) for o, w in zip(out, window)],
+                        lambda o, q, k, v, pos, index, lengths, qpos: attention_mass_triton(
+                            o, q, k, pos, index, lengths, qpos, PAGE, DIM ** -0.5, 0, per_head=True),
+                        32768 * KV_HEADS * (DIM * 2 + 4) / 1e6, context=32768))
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -93,6 +174,15 @@ def main() -> None:
             print(json.dumps(best))
         del sets
         torch.cuda.empty_cache()
+    try:
+        ops = op_rows()
+    except Exception as err:  # keep the attention rows if an op case fails
+        ops = [{"kernel": "ops", "error": f"{type(err).__name__}: {err}"[:500]}]
+    for row in ops:
+        if row.get("GBps"):
+            row["pct_of_bw"] = 100 * row["GBps"] / bw["best_GBps"]
+        rows.append(row)
+        print(json.dumps(row))
     with open(os.path.join(args.out, "kernels.jsonl"), "w") as handle:
         for row in [{"bandwidth": bw}, *rows]:
             handle.write(json.dumps(row) + "\n")
