@@ -23,6 +23,7 @@ from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
 import sparsecompile  # noqa: E402,F401  (registers ops)
 from sparsecompile.kernels.attention_mass import attention_mass_triton  # noqa: E402
 from sparsecompile.kernels.kv_write import kv_write_triton  # noqa: E402
+from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from sparsecompile.kernels.quest_scores import page_minmax_update_triton, quest_page_scores_triton  # noqa: E402
 from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
@@ -96,19 +97,14 @@ def op_rows(copies: int = 3) -> list[dict]:
         sets = [(torch.randn(*shape, device="cuda"), torch.full(shape[:2], k, device="cuda")) for _ in range(copies)]
         rows.append(_op_row("topk_select", sets, lambda s, c, k=k: topk_select_triton(s, c, k),
                             shape[0] * shape[1] * shape[2] * 4 / 1e6, shape=list(shape), k=k))
-    # OmniKV's filter layer: dense decode attention that also writes each key's logit, against plain attention.
+    # OmniKV's filter layer: dense decode attention, then its score pass over the same keys.
     sets, info = decode_inputs(batch, context, None, PAGE, copies=2)
-    plain = _op_row("paged_attention_decode", sets, paged_attention_triton, info["MB_read"], batch=batch,
-                    context=context)
-
-    def with_logits(*a):
-        logits = torch.full((batch, KV_HEADS, a[4].shape[2] * PAGE), float("-inf"), device="cuda")
-        return paged_attention_triton(*a, key_logits=logits)
-
-    fused = _op_row("paged_attention_decode + key_logits", sets, with_logits, info["MB_read"], batch=batch,
-                    context=context)
-    fused["extra_us_vs_plain"] = fused["us"] - plain["us"]
-    rows += [plain, fused]
+    rows.append(_op_row("paged_attention_decode", sets, paged_attention_triton, info["MB_read"], batch=batch,
+                        context=context))
+    limit = torch.full((batch,), context, device="cuda")
+    rows.append(_op_row("omnikv_scores", [(a[0][:, :, 0], a[1], a[4][:, 0], limit) for a in sets],
+                        omnikv_scores_triton, batch * KV_HEADS * context * DIM * 2 / 1e6, batch=batch, context=context))
+    del sets
     # H2O's decode accumulation at budget 2048 (large batch: eviction methods run there), in place.
     big = 64
     sets, info = decode_inputs(big, 2048, None, PAGE, copies=copies)

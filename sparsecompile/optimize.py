@@ -80,6 +80,7 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         if config.fuse_projections:
             colocate_projections(model)
         controller.enable_compiled_decode(capture_backend(info.num_layers, cuda_graphs,
+                                                          keep_order=runtime.reads_pool_across_layers,
                                                           fuse_linears=config.fuse_projections))
     return model
 

@@ -8,14 +8,7 @@ import math
 import pytest
 import torch
 
-from sparsecompile.kernels import (
-    dense_attention,
-    key_logits_reference,
-    kv_write,
-    kv_write_reference,
-    paged_attention,
-    paged_attention_key_logits,
-)
+from sparsecompile.kernels import dense_attention, kv_write, kv_write_reference, paged_attention
 from sparsecompile.kernels.library import triton_available
 from sparsecompile.kernels.paged_attention import paged_attention_reference
 
@@ -76,37 +69,6 @@ def test_reference_matches_naive(block_size, entries, queries, window):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def _naive_key_logits(query, k_pool, pos_pool, index, lengths, qpos, block_size):
-    """Per listed slot: the max raw q.k over the real query rows (position >= 0) of its KV head, in float64."""
-    batch, q_heads, queries, _ = query.shape
-    out = torch.full((batch, HEADS, index.shape[2] * block_size), float("-inf"), dtype=torch.float64)
-    for b in range(batch):
-        for h in range(HEADS):
-            for j in range(int(lengths[b, h])):
-                slot = int(index[b, h, j // block_size]) * block_size + j % block_size
-                page, off = divmod(slot, PAGE)
-                if int(pos_pool[page, h, off]) < 0:
-                    continue
-                rows = [query[b, qh, t].double() @ k_pool[page, h, off].double()
-                        for qh in range(h * GROUP, (h + 1) * GROUP) for t in range(queries) if int(qpos[b, t]) >= 0]
-                if rows:
-                    out[b, h, j] = max(float(r) for r in rows)
-    return out
-
-
-@pytest.mark.parametrize("block_size,entries,queries", [(PAGE, 5, 1), (1, 17, 3)])
-def test_key_logits_reference_matches_naive_and_attention_is_unchanged(block_size, entries, queries):
-    k, v, pos = _pool(1)
-    query, index, lengths, qpos = _case(block_size, entries, queries, seed=1)
-    want = _naive_key_logits(query, k, pos, index, lengths, qpos, block_size)
-    got = key_logits_reference(query, k, pos, index, lengths, qpos, block_size)
-    assert got.dtype == torch.float32 and torch.isinf(want).any() and torch.isfinite(want).any()
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-    out, logits = paged_attention_key_logits(query, k, v, pos, index, lengths, qpos, block_size, 0.3, 0)
-    assert torch.equal(logits, got)
-    assert torch.equal(out, paged_attention(query, k, v, pos, index, lengths, qpos, block_size, 0.3, 0))
-
-
 def test_kv_write_reference():
     k, v, pos = _pool()
     key, value = torch.randn(2, HEADS, 3, DIM), torch.randn(2, HEADS, 3, DIM)
@@ -132,8 +94,6 @@ def test_opcheck_all_ops():
     k, v, pos = _pool()
     query, index, lengths, qpos = _case(PAGE, 5, 3)
     torch.library.opcheck(torch.ops.sparsecompile.paged_attention.default,
-                          (query, k, v, pos, index, lengths, qpos, PAGE, 0.25, 0))
-    torch.library.opcheck(torch.ops.sparsecompile.paged_attention_key_logits.default,
                           (query, k, v, pos, index, lengths, qpos, PAGE, 0.25, 0))
     key, value = torch.randn(2, HEADS, 3, DIM), torch.randn(2, HEADS, 3, DIM)
     torch.library.opcheck(torch.ops.sparsecompile.kv_write.default,
@@ -162,25 +122,6 @@ def test_triton_paged_attention_matches_reference(block_size, entries, queries, 
     want = paged_attention_reference(query, k, v, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM), window)
     got = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM), window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-@triton_only
-@pytest.mark.parametrize("block_size,entries,splits", [(PAGE, 5, None), (1, 600, None), (PAGE, 160, 3)])
-def test_triton_key_logits_match_reference(block_size, entries, splits):
-    """Decode-sized calls write the logits from the attention kernel: every split covers its own slots."""
-    from sparsecompile.kernels.paged_attention import paged_attention_triton
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    k, v, pos = (t.to(device) for t in _pool(4))
-    query, index, lengths, qpos = (t.to(device) for t in _case(block_size, entries, 1, seed=4))
-    lengths[0, 0] = entries * block_size
-    want_out, want = paged_attention_key_logits(query.cpu(), k.cpu(), v.cpu(), pos.cpu(), index.cpu(),
-                                                lengths.cpu(), qpos.cpu(), block_size, 0.25, 0)
-    logits = torch.full(want.shape, float("-inf"), device=device)
-    out = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size, 0.25, 0, num_splits=splits,
-                                 key_logits=logits)
-    torch.testing.assert_close(logits.cpu(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.cpu(), want_out, atol=1e-5, rtol=1e-5)
 
 
 @triton_only

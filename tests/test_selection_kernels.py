@@ -1,4 +1,4 @@
-"""Selection ops (Quest page scores, top-k select): references against naive loops,
+"""Selection ops (Quest page scores, OmniKV token scores, top-k select): references against naive loops,
 Triton kernels (interpreter on CPU) against the references at toy sizes, and torch.library.opcheck."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsecompile.kernels import quest_page_scores, topk_select
+from sparsecompile.kernels import omnikv_scores, quest_page_scores, topk_select
 from sparsecompile.kernels.library import triton_available
+from sparsecompile.kernels.omnikv_scores import omnikv_scores_reference
 from sparsecompile.kernels.quest_scores import quest_page_scores_reference
 from sparsecompile.kernels.topk_select import topk_select_reference
 
@@ -64,6 +65,24 @@ def test_quest_score_bounds_every_logit_and_groups_by_max():
     assert s[0, 0].tolist() == [6.0, 4.0]  # max over the group: page 0 first (a sum, 6 vs 8, would pick page 1)
 
 
+def test_omnikv_scores_match_naive():
+    g = torch.Generator().manual_seed(1)
+    k_pool = torch.randn(POOL, HEADS, PAGE, DIM, generator=g)
+    query = torch.randn(2, HEADS * GROUP, DIM, generator=g)
+    pages = torch.tensor([[3, 7, 1], [0, 11, 5]], dtype=torch.int32)
+    limit = torch.tensor([9, 4])
+    got = omnikv_scores(query, k_pool, pages, limit)
+    assert got.shape == (2, 3 * PAGE)
+    for b in range(2):
+        for j in range(3 * PAGE):
+            if j >= int(limit[b]):
+                assert got[b, j] == float("-inf")
+                continue
+            page, off = int(pages[b, j // PAGE]), j % PAGE
+            want = max(float(query[b, qh] @ k_pool[page, qh // GROUP, off]) for qh in range(HEADS * GROUP))
+            assert abs(float(got[b, j]) - want) < 1e-5
+
+
 def _naive_topk(scores, counts, k):
     out = torch.full((*scores.shape[:2], k), -1, dtype=torch.int64)
     for b in range(scores.shape[0]):
@@ -95,6 +114,10 @@ def test_topk_select_reference_matches_naive(n, k):
 
 def test_opcheck_selection_ops():
     torch.library.opcheck(torch.ops.sparsecompile.quest_page_scores.default, _quest_case())
+    k_pool = torch.randn(POOL, HEADS, PAGE, DIM)
+    pages = torch.tensor([[3, 7], [0, 1]], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sparsecompile.omnikv_scores.default,
+                          (torch.randn(2, HEADS * GROUP, DIM), k_pool, pages, torch.tensor([5, 8])))
     torch.library.opcheck(torch.ops.sparsecompile.topk_select.default,
                           (torch.randn(2, 3, 10), torch.tensor([[1, 2, 3], [0, 10, 4]]), 6))
     torch.library.opcheck(torch.ops.sparsecompile.page_minmax_update.default,
@@ -124,6 +147,19 @@ def test_triton_quest_scores_match_reference():
 
 
 @triton_only
+def test_triton_omnikv_scores_match_reference():
+    from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton
+
+    g = torch.Generator().manual_seed(2)
+    k_pool = torch.randn(POOL, HEADS, PAGE, DIM, generator=g).to(DEVICE)
+    query = torch.randn(2, HEADS * GROUP, DIM, generator=g).to(DEVICE)
+    pages = torch.tensor([[3, 7, 1, 4, 2], [0, 11, 5, 6, 8]], dtype=torch.int32, device=DEVICE)
+    limit = torch.tensor([17, 6], device=DEVICE)
+    torch.testing.assert_close(omnikv_scores_triton(query, k_pool, pages, limit),
+                               omnikv_scores_reference(query, k_pool, pages, limit), atol=1e-5, rtol=1e-5)
+
+
+@triton_only
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
 def test_triton_topk_select_matches_reference(n, k):
     from sparsecompile.kernels.topk_select import topk_select_triton
@@ -136,9 +172,9 @@ def test_triton_topk_select_matches_reference(n, k):
 
 @triton_only
 @pytest.mark.parametrize("levels", [3, 40, None])
-def test_triton_topk_select_early_exit_matches_reference(levels):
-    """The radix loop stops once exactly ``count`` keys reach its prefix; heavy ties (3 levels) run all passes,
-    distinct scores stop early; both must keep the reference's set (ties to the lower index)."""
+def test_triton_topk_select_ties_match_reference(levels):
+    """Heavy ties (3 levels), some (40) and none: the radix select keeps the reference's set (ties to the lower
+    index), whatever the counts."""
     from sparsecompile.kernels.topk_select import topk_select_triton
 
     g = torch.Generator().manual_seed(7)

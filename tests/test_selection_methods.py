@@ -11,6 +11,7 @@ import torch
 from tiny_models import ARCHITECTURES, left_padded_batch, tiny_pair
 
 import sparsecompile
+from sparsecompile.kernels.omnikv_scores import omnikv_scores_reference
 from sparsecompile.methods import MethodConfigError, make_config
 from sparsecompile.methods.base import LayerContext
 from sparsecompile.methods.quest import KMAX, KMIN, QuestConfig, QuestRuntime
@@ -184,10 +185,8 @@ def test_omnikv_sparse_layers_read_the_filter_set_plus_decode_tokens():
         observe(ctx)
         rows = ctx.step.rows
         prompt = runtime.prompt[rows]
-        # the reference's score, from the keys directly: max over query heads of q . k, per row-local slot
-        keys = manager.k_pool[manager.block_table[rows, ctx.layer].long()].transpose(1, 2).flatten(2, 3)
-        q = ctx.query[:, :, -1].unflatten(1, (keys.shape[1], -1))  # [batch, kv_heads, group, dim]
-        scores = torch.einsum("bhgd,bhsd->bhgs", q.float(), keys.float()).amax(dim=(1, 2))
+        scores = omnikv_scores_reference(ctx.query[:, :, -1], manager.k_pool, manager.block_table[rows, ctx.layer],
+                                         prompt)
         chosen.append((ctx.layer, runtime.selected[rows, :budget].clone(), runtime.count[rows].clone(), scores,
                        prompt.clone()))
 

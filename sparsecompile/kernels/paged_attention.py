@@ -9,10 +9,6 @@ slots ``index[e] * block_size + [0, block_size)``, and ``lengths`` says how many
 A key slot is visible to a query iff it is inside ``lengths``, holds a token (position >= 0), is
 not in the query's future (``k_pos <= q_pos``) and, with a sliding window ``w > 0``, is inside it
 (``k_pos > q_pos - w``, transformers' convention). A query that sees no key returns zeros.
-
-``paged_attention_key_logits`` is the same attention plus, per listed slot, the largest raw logit the
-query rows of its KV head give it (OmniKV's filter score), written by the decode kernel as it reads
-each key instead of by a second pass over the keys.
 """
 
 from __future__ import annotations
@@ -113,20 +109,18 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE, LOGITS,
+    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE,
                                 stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
-                                stride_pb, stride_ob, stride_ot, stride_oh, stride_gb, stride_gh,
+                                stride_pb, stride_ob, stride_ot, stride_oh,
                                 scale, window, num_queries,
                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                IEEE: tl.constexpr, KEY_LOGITS: tl.constexpr):
+                                IEEE: tl.constexpr):
         """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
 
         With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
-        :func:`_combine_kernel`; otherwise the final output. With KEY_LOGITS it also writes, per list slot,
-        the largest raw logit its rows give it (the program's rows are all the query rows of its KV head in
-        decode, so no cross-program reduction is needed there; prefill tiles would race and never ask).
+        :func:`_combine_kernel`; otherwise the final output.
         """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -171,12 +165,7 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s.to(tl.float32)
-            if KEY_LOGITS:
-                seen = (qpos[:, None] >= 0) & jmask[None, :] & (kpos[None, :] >= 0)
-                tl.store(LOGITS + b * stride_gb + h * stride_gh + j, tl.max(tl.where(seen, s, float("-inf")), 0),
-                         mask=jmask)
-            s = s * scale
+            s = s.to(tl.float32) * scale
             vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
             if window > 0:
                 vis = vis & (kpos[None, :] > qpos[:, None] - window)
@@ -255,13 +244,11 @@ def launch_inputs(query: torch.Tensor, index: torch.Tensor,
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
-                           config: dict | None = None, key_logits: torch.Tensor | None = None) -> torch.Tensor:
+                           config: dict | None = None) -> torch.Tensor:
     """Triton launch with the semantics of :func:`paged_attention_reference`.
 
     Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
-    programs (flash-decoding) and merge the partials; larger calls tile the query rows. ``key_logits``
-    (``[batch, kv_heads, span]`` fp32, preset to ``-inf``; decode-sized calls only) receives
-    :func:`key_logits_reference`'s values for the slots inside ``lengths``.
+    programs (flash-decoding) and merge the partials; larger calls tile the query rows.
     """
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
@@ -270,7 +257,6 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = 16 if queries * group <= 16 else 64
     m_blocks = triton.cdiv(queries * group, block_m)
-    assert key_logits is None or m_blocks == 1, "key logits are fused into decode-sized calls only"
     span = index.shape[2] * block_size
     if block_m == 16:
         base = DECODE_LONG_CONFIG if batch * kv_heads * span >= 1 << 20 else DECODE_SHORT_CONFIG
@@ -285,15 +271,14 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     else:
         mid_o = mid_lse = out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    logits = out if key_logits is None else key_logits
     _paged_attention_kernel[(m_blocks, batch * kv_heads, splits)](
-        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse, logits,
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        logits.stride(0), logits.stride(1), float(scale), int(sliding_window), queries,
+        float(scale), int(sliding_window), queries,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        KEY_LOGITS=key_logits is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
@@ -315,62 +300,4 @@ paged_attention = define_op(
     cpu=paged_attention_reference,
     cuda=paged_attention_triton if triton is not None else None,
     fake=_fake,
-)
-
-
-# ---------------------------------------------------------------- attention that also reports each key's logit
-def key_logits_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
-                         lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Per listed slot, the largest raw logit ``q . k`` (no scale, no causal or window mask) over the real query
-    rows (position >= 0) of its KV head's group.
-
-    Returns ``[batch, kv_heads, entries * block_size]`` float32, ``-inf`` outside ``lengths``, at slots holding no
-    token, and where no query row is real.
-    """
-    batch, q_heads, queries, head_dim = query.shape
-    kv_heads = k_pool.shape[1]
-    group = q_heads // kv_heads
-    slots, valid = view_slots(index, lengths, block_size)
-    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, span, head_dim]
-    live = valid & (gather_slots(pos_pool, slots) >= 0)
-    folded = query.float().reshape(batch, kv_heads, group * queries, head_dim)  # row = g * queries + t
-    real = (q_positions >= 0).repeat(1, group)[:, None, :, None]  # [batch, 1, rows, 1]
-    logits = torch.where(real & live[:, :, None, :], folded @ keys.transpose(-1, -2), float("-inf"))
-    return logits.amax(2)
-
-
-def _with_key_logits_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                               sliding_window):
-    out = paged_attention_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                                    sliding_window)
-    return out, key_logits_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size)
-
-
-def _with_key_logits_triton(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                            sliding_window):
-    """Decode-sized calls write the logits from inside the attention kernel (no second pass over the keys);
-    larger calls (queries of one KV head over several programs) compute them apart."""
-    batch, q_heads, queries, _ = query.shape
-    kv_heads = k_pool.shape[1]
-    if queries * (q_heads // kv_heads) > 16:
-        return _with_key_logits_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size,
-                                          scale, sliding_window)
-    logits = torch.full((batch, kv_heads, index.shape[2] * block_size), float("-inf"), device=query.device)
-    out = paged_attention_triton(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                                 sliding_window, key_logits=logits)
-    return out, logits
-
-
-def _with_key_logits_fake(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                          sliding_window):
-    out = _fake(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window)
-    return out, query.new_empty(query.shape[0], k_pool.shape[1], index.shape[2] * block_size, dtype=torch.float32)
-
-
-paged_attention_key_logits = define_op(
-    "paged_attention_key_logits(Tensor query, Tensor k_pool, Tensor v_pool, Tensor pos_pool, Tensor index, "
-    "Tensor lengths, Tensor q_positions, int block_size, float scale, int sliding_window) -> (Tensor, Tensor)",
-    cpu=_with_key_logits_reference,
-    cuda=_with_key_logits_triton if triton is not None else None,
-    fake=_with_key_logits_fake,
 )

@@ -8,8 +8,7 @@ so the selection is deterministic (unlike ``torch.topk``). Callers force an entr
 ``+inf`` and keep one out with ``-inf`` (and a count that does not reach it).
 
 On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton radix select: one program loads the
-row once as 32-bit order keys, one-bit passes narrow a threshold until exactly ``count`` keys reach it
-(at most 32, about ``log2(n)`` on distinct scores), and one ordered pass
+row once as 32-bit order keys, 32 one-bit passes find the ``count``-th largest, and one ordered pass
 writes the winners with a running prefix sum (no sort; ascending by construction). Longer rows
 (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over many
 blocks, and the same tie rule and prefix-sum placement in torch ops.
@@ -102,18 +101,11 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         valid = offs < n
         key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
-        # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key. It stops
-        # early once exactly `count` keys are >= the prefix found so far (the kept set is then decided): about
-        # log2(n) + a few passes on distinct scores instead of 32.
+        # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key.
         thr = tl.zeros([], dtype=tl.uint32)
-        at_least = tl.sum(valid.to(tl.int32), 0)  # keys >= thr
-        bit = tl.full([], 31, tl.int32)
-        while (bit >= 0) & (at_least != count) & (count > 0):
-            cand = thr | (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))
-            above = tl.sum((valid & (key >= cand)).to(tl.int32), 0)
-            thr = tl.where(above >= count, cand, thr)
-            at_least = tl.where(above >= count, above, at_least)
-            bit -= 1
+        for i in range(32):
+            cand = thr | (tl.full([], 1, tl.uint32) << (31 - i))
+            thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int32), 0) >= count, cand, thr)
         ties = count - tl.sum((valid & (key > thr)).to(tl.int32), 0)  # keys equal to it to take, lowest index first
         is_eq = (valid & (key == thr)).to(tl.int32)
         take = (valid & (key > thr)) | ((is_eq > 0) & (tl.cumsum(is_eq, 0) - is_eq < ties))

@@ -72,9 +72,6 @@ class LayerContext:
         new_slots: ``[batch, tokens]`` global slot ids the new tokens were written to (-1 = padding).
         scale: softmax scale; sliding_window: 0 or the layer's window.
         view: the AttentionView read by this layer (set before ``on_attention_end``).
-        key_logits: ``[batch, kv_heads, view slots]`` fp32, each viewed slot's largest raw ``q . k`` over its
-            group's query heads (``-inf`` past the view's lengths); set with the view when
-            :meth:`SparseMethodRuntime.wants_key_logits` asks for it, else None.
     """
 
     layer: int
@@ -87,7 +84,6 @@ class LayerContext:
     scale: float
     sliding_window: int
     view: AttentionView | None = None
-    key_logits: torch.Tensor | None = None
 
 
 class SparseMethodRuntime:
@@ -101,6 +97,9 @@ class SparseMethodRuntime:
     prefill_mode: ClassVar[str] = "chunked"
     #: False only for dense attention, which can also run through the SDPA-rewrite fallback (no cache access).
     needs_cache_access: ClassVar[bool] = True
+    #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
+    #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
+    reads_pool_across_layers: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config
@@ -130,11 +129,6 @@ class SparseMethodRuntime:
 
     def build_decode_selection(self, ctx: LayerContext) -> Selection:
         return None
-
-    def wants_key_logits(self, ctx: LayerContext) -> bool:
-        """Whether this layer's attention should also give ``ctx.key_logits`` (computed as the keys are read, not
-        by a second pass over them). Must depend only on static facts (layer, prefill or decode)."""
-        return False
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
         """``out [batch, tokens, q_heads, head_dim]``: this layer's attention output."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels.omnikv_scores import omnikv_scores
 from ..kernels.topk_select import topk_select
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
@@ -107,6 +108,7 @@ class OmniKVMemoryOracle(DenseMemoryOracle):
 class OmniKVRuntime(SparseMethodRuntime):
     name = "omnikv"
     config_class = OmniKVConfig
+    reads_pool_across_layers = True
 
     def __init__(self, config: OmniKVConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
@@ -187,9 +189,6 @@ class OmniKVRuntime(SparseMethodRuntime):
         H = m.layout.num_kv_heads
         return SlotSelection(slots[:, None, :].expand(-1, H, -1), (count + decoded)[:, None].expand(-1, H))
 
-    def wants_key_logits(self, ctx: LayerContext) -> bool:
-        return not ctx.step.is_prefill and ctx.layer in self.filter_layers
-
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
         self.reads.record(ctx)
 
@@ -199,16 +198,11 @@ class OmniKVRuntime(SparseMethodRuntime):
         self._observe(ctx)
 
     def _observe(self, ctx: LayerContext) -> None:
-        """Score the row's prompt slots with this layer's decode query and store the top set for later layers.
-
-        The filter layer's view is dense (list slot ``j`` = row-local slot ``j``), and its attention already
-        gave every slot's largest logit per KV head (``ctx.key_logits``), so the score is a max over KV heads.
-        """
-        rows = ctx.step.rows
+        """Score the row's prompt slots with this layer's decode query and store the top set for later layers."""
+        m, rows = ctx.manager, ctx.step.rows
+        table = m.block_table[rows, ctx.layer]  # [batch, max_pages]
         prompt = self.prompt[rows]
-        logits = ctx.key_logits.amax(1)  # [batch, capacity]
-        slot = torch.arange(logits.shape[1], device=logits.device)
-        scores = torch.where(slot[None, :] < prompt[:, None], logits, float("-inf"))
+        scores = omnikv_scores(ctx.query[:, :, -1, :], m.k_pool, table, prompt)  # [batch, capacity]
         if self.token_budget is None:
             count = torch.ceil(prompt.to(torch.float32) * float(self.config.ratio)).long().clamp(max=prompt)
         else:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..kernels import paged_attention, paged_attention_key_logits
 from .fuse_linear import fuse_sibling_linears
 
 
@@ -24,8 +23,6 @@ class CaptureError(RuntimeError):
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SDPA_OVERLOADS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
-_ATTENTION_OPS = {op for overload in (paged_attention, paged_attention_key_logits)
-                  for op in (overload, overload.overloadpacket)}
 
 
 def _is_sdpa(node: fx.Node) -> bool:
@@ -40,7 +37,7 @@ def count_attention_sites(gm: fx.GraphModule) -> Counter:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in _ATTENTION_OPS:
+        if node.target in (torch.ops.sparsecompile.paged_attention.default, torch.ops.sparsecompile.paged_attention):
             counts["sparsecompile"] += 1
         elif _is_sdpa(node):
             counts["sdpa"] += 1
@@ -56,13 +53,12 @@ def check_capture(gm: fx.GraphModule, expected_sites: int) -> Counter:
 
 
 def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "inductor",
-                    fuse_linears: bool = True) -> Callable:
+                    keep_order: bool = False, fuse_linears: bool = True) -> Callable:
     """A dynamo backend: :func:`check_capture`, then inductor (``inner="inductor"``) or eager (``"eager"``).
 
-    ``fuse_linears``: one GEMM per group of sibling projections whose weights share a buffer (:mod:`.fuse_linear`).
-    Methods never read the KV pool outside their layer's ops (OmniKV's filter score comes out of the attention
-    op): inductor's locality reordering once sank such a read past the next layer's ``kv_write``, which then
-    copied the whole key pool to keep the old version alive.
+    ``keep_order``: turn off inductor's locality reordering, for methods whose graph reads pool state in one
+    layer that a later layer's op mutates (see below). ``fuse_linears``: one GEMM per group of sibling
+    projections whose weights share a buffer (:mod:`.fuse_linear`).
     """
 
     def backend(gm: fx.GraphModule, example_inputs):
@@ -74,7 +70,13 @@ def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "induct
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": cuda_graphs})
+        # reorder_for_locality sinks nodes to just before their first user. It moved OmniKV's scoring of the
+        # filter layer's keys past the next layer's kv_write, so that write could no longer happen in place: the
+        # key pool was copied whole (32 GiB at 128K x 4) for the score to read the old version.
+        patches = {"triton.cudagraphs": cuda_graphs}
+        if keep_order:
+            patches["reorder_for_locality"] = False
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     backend.graphs_checked = 0
     backend.fused_groups = 0

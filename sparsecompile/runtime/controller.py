@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import paged_attention, paged_attention_key_logits
+from ..kernels import paged_attention
 from ..methods.base import LayerContext, SparseMethodRuntime
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
@@ -169,12 +169,8 @@ class SparseController:
         ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
         ctx.view = view = m.build_view(layer, step, selection)
-        args = (query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths, step.positions,
-                view.block_size, scale, sliding_window)
-        if rt.wants_key_logits(ctx):
-            out, ctx.key_logits = paged_attention_key_logits(*args)
-        else:
-            out = paged_attention(*args)
+        out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
+                              step.positions, view.block_size, scale, sliding_window)
         rt.on_attention_end(ctx, out)
         rt.on_layer_end(ctx)
         return out
