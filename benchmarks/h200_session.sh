@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/h200_session.sh tests      # tests/gpu + kernel microbenchmarks
 #   bash benchmarks/h200_session.sh targets    # every #5 target point + HF baselines, with profiles
-#   bash benchmarks/h200_session.sh capacity   # largest batches at 128K (profiled) + 32K chunked prefill
+#   bash benchmarks/h200_session.sh capacity   # largest batches at 128K (profiled), 32K chunked prefill, kernels
 #   bash benchmarks/h200_session.sh grid       # the rest of the default grid
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,19 +24,20 @@ case "${1:?stage}" in
     timeout 200 python3 benchmarks/kernels.py --out "$RESULTS" >"$RESULTS/kernels.log" 2>&1
     ;;
   targets)
-    "${bench[@]}" --points 32768x1,32768x16,131072x4 --methods vanilla --max-batch "" --prefill "" \
+    timeout 320 "${bench[@]}" --points 32768x1,32768x16,131072x4 --methods vanilla --max-batch "" --prefill "" \
       --profile 32768x1 --hf-static 32768x1 >"$RESULTS/targets_vanilla.log" 2>&1
-    "${bench[@]}" --points 131072x4 --methods quest,omnikv,snapkv --no-hf --max-batch "" --prefill "" \
+    timeout 240 "${bench[@]}" --points 131072x4 --methods quest,omnikv,snapkv --no-hf --max-batch "" --prefill "" \
       --profile 131072x4 --append >"$RESULTS/targets_methods.log" 2>&1
     ;;
   capacity)
-    "${bench[@]}" --methods "" --no-hf --max-batch vanilla,snapkv --profile-max-batch \
+    timeout 400 "${bench[@]}" --methods "" --no-hf --max-batch vanilla,snapkv --profile-max-batch \
       --prefill vanilla,snapkv,h2o --profile-prefill --append >"$RESULTS/capacity.log" 2>&1
+    timeout 150 python3 benchmarks/kernels.py --out "$RESULTS" >"$RESULTS/kernels.log" 2>&1
     ;;
   grid)
-    "${bench[@]}" --points 131072x1 --methods vanilla,quest,omnikv,snapkv --no-hf --max-batch "" \
+    timeout 270 "${bench[@]}" --points 131072x1 --methods vanilla,quest,omnikv,snapkv --no-hf --max-batch "" \
       --prefill "" --profile "" --append >"$RESULTS/grid.log" 2>&1
-    "${bench[@]}" --points 32768x1,32768x16 --methods quest,omnikv,snapkv --no-hf --max-batch "" \
+    timeout 300 "${bench[@]}" --points 32768x1,32768x16 --methods quest,omnikv,snapkv --no-hf --max-batch "" \
       --prefill "" --profile "" --append >>"$RESULTS/grid.log" 2>&1
     ;;
 esac
