@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind the README's performance figures, one stage per device call (each call is limited to
-# 10 minutes), all on one warm machine. Outputs accumulate in $RESULTS (default .h200, an ignored folder that
-# the warm machine keeps between calls; the decode stages append to one results file) and, with $DEST set,
-# are tarred to $DEST/<stage>.tar (the device transfer drops files past a count limit).
+# 10 minutes), all on one warm machine. Outputs go to $RESULTS (default .h200; within a stage the decode
+# invocations append to one results file) and, with $DEST set, are tarred to $DEST/<stage>.tar (the device
+# transfer drops files past a count limit). $RESULTS did not survive between calls in the run behind the README:
+# the stages' decode_h200.jsonl files were concatenated afterwards and the plot redrawn from the whole file.
 #
 #   bash benchmarks/h200_session.sh tests      # tests/gpu + kernel microbenchmarks
 #   bash benchmarks/h200_session.sh targets    # every #5 target point + HF baselines, with profiles

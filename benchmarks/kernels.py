@@ -21,18 +21,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
-from sparsecompile.kernels.attention_mass import attention_mass_triton  # noqa: E402
+from sparsecompile.kernels.h2o_scores import h2o_accumulate_triton  # noqa: E402
 from sparsecompile.kernels.kv_write import kv_write_triton  # noqa: E402
 from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from sparsecompile.kernels.quest_scores import page_minmax_update_triton, quest_page_scores_triton  # noqa: E402
+from sparsecompile.kernels.snapkv_scores import snapkv_scores_triton  # noqa: E402
 from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
 
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16
 
 
 def decode_inputs(batch: int, context: int, selected: int | None, block: int, copies: int = 3,
-                  kv_heads: int = 8, group: int = 4, dim: int = 128, page: int = 16) -> tuple[list[tuple], dict]:
+                  kv_heads: int = KV_HEADS, group: int = GROUP, dim: int = DIM,
+                  page: int = PAGE) -> tuple[list[tuple], dict]:
     """``copies`` independent decode-attention argument sets over ``context`` resident tokens per
     (sequence, kv_head), reading all of them (``selected=None``, page view) or ``selected`` of them
     (page view of selected pages, or a token view when ``block == 1``)."""
@@ -109,10 +111,9 @@ def op_rows(copies: int = 3) -> list[dict]:
     big = 64
     sets, info = decode_inputs(big, 2048, None, PAGE, copies=copies)
     scores = [torch.zeros(a[1].shape[:3], device="cuda") for a in sets]
-    rows.append(_op_row("h2o_accumulate (decode)", [(sc, *a[:7]) for sc, a in zip(scores, sets)],
-                        lambda sc, q, k, v, pos, index, lengths, qpos: attention_mass_triton(
-                            sc, q, k, pos, index, lengths, qpos, PAGE, DIM ** -0.5, 0, per_head=False, weight=0.25),
-                        big * KV_HEADS * 2048 * (DIM * 2 + 4 + 4) / 1e6, batch=big, budget=2048))
+    rows.append(_op_row("h2o_accumulate (decode)", [(sc, a[0], a[1], *a[3:]) for sc, a in zip(scores, sets)],
+                        h2o_accumulate_triton, big * KV_HEADS * 2048 * (DIM * 2 + 4 + 4) / 1e6, batch=big,
+                        budget=2048))
     # KV write of one decode token per sequence.
     k_pool, v_pool, pos_pool = sets[0][1], sets[0][2], sets[0][3]
     key = torch.randn(big, KV_HEADS, 1, DIM, device="cuda", dtype=bf16)
@@ -123,12 +124,9 @@ def op_rows(copies: int = 3) -> list[dict]:
     del sets, scores
     # SnapKV's window scoring at the last 2,048-token chunk of a 32K prefill: 32 window queries over 32K keys.
     sets, info = decode_inputs(1, 32768, None, PAGE, copies=copies)
-    window = [(torch.randn(1, KV_HEADS * GROUP, 32, DIM, device="cuda", dtype=bf16), *a[1:6],
-               torch.full((1, 32), 10**6, device="cuda")) for a in sets]
-    out = [torch.zeros(1, KV_HEADS * GROUP, a[4].shape[2] * PAGE, device="cuda") for a in sets]
-    rows.append(_op_row("snapkv_scores (prefill, 32 window queries)", [(o, *w) for o, w in zip(out, window)],
-                        lambda o, q, k, v, pos, index, lengths, qpos: attention_mass_triton(
-                            o, q, k, pos, index, lengths, qpos, PAGE, DIM ** -0.5, 0, per_head=True),
+    window = [(torch.randn(1, KV_HEADS * GROUP, 32, DIM, device="cuda", dtype=bf16), a[1], *a[3:6],
+               torch.full((1, 32), 10**6, device="cuda"), *a[7:]) for a in sets]
+    rows.append(_op_row("snapkv_scores (prefill, 32 window queries)", window, snapkv_scores_triton,
                         32768 * KV_HEADS * (DIM * 2 + 4) / 1e6, context=32768))
     torch.cuda.empty_cache()
     return rows

@@ -155,11 +155,6 @@ class AsyncEngine:
     # ---------------------------------------------------------------------------------------- asyncio side
 
     @property
-    def is_running(self) -> bool:
-        """True while the engine thread is alive and accepting work."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
-
-    @property
     def error(self) -> BaseException | None:
         """The exception that stopped the engine thread, if one did."""
         return self._error
