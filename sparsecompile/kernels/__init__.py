@@ -4,7 +4,8 @@ from .dense_attention import dense_attention
 from .h2o_scores import h2o_accumulate, h2o_accumulate_reference
 from .kv_write import kv_write, kv_write_reference
 from .omnikv_scores import omnikv_scores, omnikv_scores_reference
-from .paged_attention import gather_slots, paged_attention, paged_attention_reference, view_slots, visibility
+from .paged_attention import paged_attention, paged_attention_reference
+from .pool import gather_slots, view_slots, visibility
 from .quest_scores import page_minmax_update, quest_page_scores, quest_page_scores_reference
 from .snapkv_scores import snapkv_scores, snapkv_scores_reference
 from .topk_select import topk_select, topk_select_reference

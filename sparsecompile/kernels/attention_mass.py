@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_attention import gather_slots, launch_inputs, used_view_slots, visibility
+from .pool import gather_slots, launch_inputs, used_view_slots, visibility
 
 try:
     import triton
