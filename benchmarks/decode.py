@@ -31,7 +31,10 @@ from bandwidth import measure_read_bandwidth  # noqa: E402
 
 import sparsecompile  # noqa: E402
 from sparsecompile.models.hf_cache import SparseCache  # noqa: E402
-from sparsecompile.models.hf_patch import cache_argument_name  # noqa: E402
+from sparsecompile.models.hf_patch import (
+    cache_argument_name,  # noqa: E402
+    patched_model,
+)
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=262144,
@@ -114,7 +117,7 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
     options = METHOD_OPTIONS[method]
     point = Point("sparsecompile", method, context, batch)
     sparsecompile.optimize(model, method, compile=True, cuda_graphs=True, **options)
-    patched = model.__dict__["_sparsecompile"]
+    patched = patched_model(model)
     controller = patched.controller
     # The pool holds what the method keeps after prefill (the prompt itself is never materialised here).
     generated = warmup + steps + PROFILE_STEPS
@@ -235,7 +238,7 @@ def hf_point(model, kind: str, context: int, batch: int, warmup: int, steps: int
 def _fits(model, method: str, context: int, batch: int, extra_tokens: int) -> bool:
     """Whether ``batch`` sequences' KV (at the method's resident size) can be allocated and filled."""
     sparsecompile.optimize(model, method, compile=False, **METHOD_OPTIONS[method])
-    controller = model.__dict__["_sparsecompile"].controller
+    controller = patched_model(model).controller
     per_seq = controller.oracle.resident_slots_per_layer(context, extra_tokens)
     controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
     cache = SparseCache(controller, expected_new_tokens=extra_tokens)
@@ -361,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the result files (decode<TAG>.jsonl / .png)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.exit(2, "decode.py (sparsecompile bench) measures GPU decode against the HBM roofline: it needs a CUDA "
+                       "device, and this machine has none\n")
     os.makedirs(args.out, exist_ok=True)
     bw = measure_read_bandwidth()
     bandwidth = bw["best_GBps"]

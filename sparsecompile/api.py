@@ -6,15 +6,18 @@ import torch
 from torch import nn
 
 from .models.hf_cache import SparseCache
+from .models.hf_patch import patched_model
+from .runtime.controller import SparseController
 from .runtime.stats import KVStats, collect
 
 
-def _resolve(target: nn.Module | SparseCache) -> tuple[object, list[int]]:
+def _resolve(target: nn.Module | SparseCache) -> tuple[SparseController, list[int]]:
     if isinstance(target, SparseCache):
         return target.controller, list(target.rows)
-    patched = getattr(target, "__dict__", {}).get("_sparsecompile")
-    if patched is None:
-        raise ValueError("expected a model patched by sparsecompile.optimize() or a SparseCache")
+    if not isinstance(target, nn.Module):
+        raise ValueError(f"expected a model patched by sparsecompile.optimize() or a SparseCache, got "
+                         f"{type(target).__name__}")
+    patched = patched_model(target)
     cache = patched.last_cache
     rows = list(cache.rows) if cache is not None and cache.rows else []
     return patched.controller, rows

@@ -1,74 +1,24 @@
-"""Command line: ``sparsecompile generate --model PATH --method M [method options] --prompt TEXT``,
-``sparsecompile serve --model PATH --method M [options]`` (OpenAI-compatible HTTP server)."""
+"""Command line: ``sparsecompile generate | serve | bench``.
+
+Every engine, serving and method flag is derived from the config dataclasses (``sparsecompile/config.py`` and
+each method's config), with their help text and defaults, so a new option needs no CLI code. The top-level
+``--help`` does not import torch; subcommands that list method flags import the method registry.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
-import typing
 
-from .methods import available_methods, method_class
+from .config import EngineConfig, ServingConfig, add_arguments, given, parse_bool
 
-
-def _method_option_types() -> dict[str, type]:
-    """Every option of every registered method, with the type its default has."""
-    options: dict[str, type] = {}
-    for name in available_methods():
-        config = method_class(name).config_class
-        hints = typing.get_type_hints(config)
-        for field in dataclasses.fields(config):
-            hint = hints.get(field.name, str)
-            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-            options.setdefault(field.name, args[0] if args[0] in (int, float, str, bool) else str)
-    return options
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsecompile", description="sparse-first LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text with a sparse method and print a KV-memory summary")
-    gen.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    gen.add_argument("--method", default="vanilla", choices=available_methods())
-    prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-file", help="file holding the prompt text")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    engine = gen.add_argument_group("engine options")
-    engine.add_argument("--page-size", type=int, default=16)
-    engine.add_argument("--prefill-chunk-size", type=int, default=2048)
-    engine.add_argument("--compile", type=_parse_bool, default=None, help="compile decode steps (default: on CUDA)")
-    _add_method_options(gen)
-    _add_serve_parser(sub)
-    bench = sub.add_parser("bench", help="decode benchmark against the HBM roofline (runs benchmarks/decode.py; "
-                                         "CUDA only; pass its options after 'bench', e.g. --grid quick)",
-                           add_help=False)
-    bench.add_argument("args", nargs=argparse.REMAINDER)  # parsed by benchmarks/decode.py itself
-    return parser
-
-
-def _add_method_options(parser: argparse.ArgumentParser) -> None:
-    method = parser.add_argument_group("method options (each applies to the methods that define it)")
-    for name, kind in sorted(_method_option_types().items()):
-        method.add_argument(f"--{name.replace('_', '-')}", dest=f"method_{name}", default=None,
-                            type=_parse_bool if kind is bool else kind)
+def _auto_or_bool(text: str) -> bool | str:
+    return "auto" if text.lower() == "auto" else parse_bool(text)
 
 
 def _parse_memory(text: str) -> float:
@@ -92,53 +42,114 @@ def _parse_memory(text: str) -> float:
     return value
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+_ENGINE_TYPES = {"compile": _auto_or_bool, "cuda_graphs": _auto_or_bool}
+
+
+def _add_engine(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine options (sparsecompile.config.EngineConfig)")
+    add_arguments(engine, EngineConfig, skip=("show_progress",), types=_ENGINE_TYPES)
+
+
+def _add_methods(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of any registered method (methods share names such as --budget: the first wins)."""
+    from .methods import available_methods, method_class
+
+    group = parser.add_argument_group("method options (each applies to the methods that declare it)")
+    seen: set[str] = set()
+    for name in available_methods():
+        add_arguments(group, method_class(name).config_class, dest_prefix="method_", seen=seen)
+    parser.set_defaults(_method_options=sorted(seen))
+
+
+def _add_model(parser: argparse.ArgumentParser, methods: list[str] | None) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded "
+                                                      "SmolLM2-135M-Instruct)")
+    parser.add_argument("--method", default="vanilla", choices=methods,
+                        help="sparse method (default: vanilla)" + ("" if methods else "; see a subcommand's --help"))
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=_DTYPES,
+                        help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+
+
+def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
+    """The CLI parser; ``with_methods=False`` leaves out method flags (no torch import: instant top-level help)."""
+    methods = None
+    if with_methods:
+        from .methods import available_methods
+
+        methods = available_methods()
+    parser = argparse.ArgumentParser(prog="sparsecompile", description="sparse-first LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with a sparse method and print a KV-memory summary")
+    _add_model(gen, methods)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="file holding the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1, off)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_engine(gen)
+    if with_methods:
+        _add_methods(gen)
+
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API "
                                          "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)")
-    serve.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded "
-                                                     "SmolLM2-135M)")
-    serve.add_argument("--method", default="vanilla", choices=available_methods())
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="HF model directory or .gguf file (same as --model)")
+    _add_model(serve, methods)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument("--served-model-name", default=None,
-                       help="model id clients send and /v1/models lists (default: --model as given, or the "
+                       help="model id clients send and /v1/models lists (default: the model as given, or the "
                             "embedded model's name)")
-    serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    engine = serve.add_argument_group("engine options")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per engine step, decode tokens plus prompt chunks (default: the prefill chunk)")
-    engine.add_argument("--kv-cache-memory", type=_parse_memory, default=None,
-                        help="KV pool: bytes (4GiB, 512MiB) or a fraction of free GPU memory (default: 0.85 on "
-                             "CUDA, 1 GiB on CPU)")
-    engine.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output "
-                                                                        "(default: the model's)")
-    engine.add_argument("--page-size", type=int, default=16)
-    engine.add_argument("--prefill-chunk-size", type=int, default=2048)
-    engine.add_argument("--compile", type=_parse_bool, default=None, help="compile decode steps (default: on CUDA)")
-    _add_method_options(serve)
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level (default: info)")
+    serving = serve.add_argument_group("serving options (sparsecompile.config.ServingConfig)")
+    add_arguments(serving, ServingConfig, skip=("model_name",), types={"kv_cache_memory": _parse_memory})
+    _add_engine(serve)
+    if with_methods:
+        _add_methods(serve)
+
+    bench = sub.add_parser("bench", help="decode benchmark against the HBM roofline (runs benchmarks/decode.py; "
+                                         "CUDA only; pass its options after 'bench', e.g. --grid quick)",
+                           add_help=False)
+    bench.add_argument("args", nargs=argparse.REMAINDER)  # parsed by benchmarks/decode.py itself
+    return parser
+
+
+def _options(args: argparse.Namespace, *configs: type) -> dict:
+    """Engine / serving options given on the command line, plus every method option given."""
+    from .config import field_names
+
+    options: dict = {}
+    for config in configs:
+        options.update(given(args, field_names(config)))
+    options.update(given(args, getattr(args, "_method_options", []), dest_prefix="method_"))
+    return options
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return None if name == "auto" else getattr(torch, "float16" if name == "half" else name)
 
 
 def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    from sparsecompile.llm import LLM
-    from sparsecompile.models.default_model import DEFAULT_MODEL_NAME
-    from sparsecompile.server import serve
+    from .llm import LLM
+    from .models.default_model import DEFAULT_MODEL_NAME
+    from .server import serve
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    options = {k[len("method_"):]: v for k, v in vars(args).items() if k.startswith("method_") and v is not None}
-    options.update(page_size=args.page_size, prefill_chunk_size=args.prefill_chunk_size)
-    if args.compile is not None:
-        options["compile"] = args.compile
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    llm = LLM(args.model, args.method, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, model_name=name, **options)
+    model = args.model_path or args.model
+    name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    llm = LLM(model, args.method, device=args.device, dtype=_torch_dtype(args.dtype), model_name=name,
+              **_options(args, EngineConfig, ServingConfig))
     engine = llm.llm_engine
     print(f"sparsecompile: serving {name!r} (method {args.method}, max_model_len {engine.max_model_len}, "
           f"{engine.stats().total_pages} KV pages) on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -173,13 +184,8 @@ def _generate(args: argparse.Namespace) -> int:
             text = handle.read()
     else:
         text = args.prompt
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
-    options = {k[len("method_"):]: v for k, v in vars(args).items() if k.startswith("method_") and v is not None}
-    engine = {"page_size": args.page_size, "prefill_chunk_size": args.prefill_chunk_size, "show_progress": True}
-    if args.compile is not None:
-        engine["compile"] = args.compile
-    sparsecompile.optimize(model, args.method, **engine, **options)
+    model, tokenizer = load_model(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
+    sparsecompile.optimize(model, args.method, show_progress=True, **_options(args, EngineConfig))
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
@@ -198,26 +204,22 @@ def _generate(args: argparse.Namespace) -> int:
     print(tokenizer.decode(new, skip_special_tokens=True))
     print(f"\n[{ids.shape[1]} prompt tokens, {new.numel()} generated in {elapsed:.2f} s, method {args.method}]",
           file=sys.stderr)
-    print(sparsecompile.kv_stats(out[_cache_key(out)]).summary(), file=sys.stderr)
-    out[_cache_key(out)].release()
+    cache = out["cache" if "cache" in out else "past_key_values"]
+    print(sparsecompile.kv_stats(cache).summary(), file=sys.stderr)
+    cache.release()
     return 0
-
-
-def _cache_key(out) -> str:
-    return "cache" if "cache" in out else "past_key_values"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
     if argv[:1] == ["bench"]:
         return _bench(argparse.Namespace(args=argv[1:]))
+    top_level = not argv or argv[0].startswith("-")  # `sparsecompile --help`, or no subcommand: no torch import
+    parser = build_parser(with_methods=not top_level)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
-        if args.command == "bench":
-            return _bench(args)
         if args.command == "serve":
             return _serve(args)
     except (ValueError, FileNotFoundError, TypeError) as err:

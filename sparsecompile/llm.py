@@ -15,11 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .runtime.engine import LLMEngine
-from .runtime.outputs import RequestOutput, SamplingParams
-
-_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "cuda_graph_sizes",
-                "model_name")
+from .config import OPTION_KINDS, ServingConfig
+from .optimize import optimize, split_method_options
+from .serving.engine import LLMEngine
+from .serving.outputs import RequestOutput, SamplingParams
 
 
 class LLM:
@@ -31,37 +30,31 @@ class LLM:
         method: a registered method (``sparsecompile.available_methods()``).
         tokenizer: required when ``model_or_path`` is a model object.
         device, dtype: where and how to load a path (default: CUDA + bf16 when available, else CPU + fp32).
-        max_num_seqs: most requests running at once (decode batch size).
-        max_num_batched_tokens: tokens per engine step (decode tokens plus prompt chunks).
-        kv_cache_memory: KV pool size in bytes, or a fraction of the free GPU memory (default 0.85 on CUDA,
-            1 GiB on CPU); the pool never exceeds what ``max_num_seqs`` full-length requests could use.
-        max_model_len: longest prompt + output (default: the model's maximum).
-        cuda_graph_sizes: decode batch sizes compiled (and graph-captured) when decode is compiled; a step pads
-            to the next one (default: powers of two up to ``max_num_seqs``).
-        **options: the method's options and the engine options of ``sparsecompile.optimize`` (``page_size``,
-            ``prefill_chunk_size``, ``compile``, ``cuda_graphs``, ``num_pages``).
+        **options: serving options (:class:`sparsecompile.config.ServingConfig`: ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``kv_cache_memory``, ``gpu_memory_utilization``, ``max_model_len``,
+            ``cuda_graph_sizes``, ``model_name``), engine options (:class:`sparsecompile.config.EngineConfig`, as
+            ``optimize()`` takes them) and the method's options. An option none of them declares is refused,
+            naming which kind it was taken for.
     """
 
     def __init__(self, model_or_path: nn.Module | str | os.PathLike | None = None, method: str = "vanilla", *,
-                 tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
-                 cuda_graph_sizes: list[int] | None = None, model_name: str | None = None, **options: Any) -> None:
+                 tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
+        routed = split_method_options(method, options, accepted=OPTION_KINDS)  # refuse bad options before loading
+        serving = ServingConfig(**routed["serving"])
         if isinstance(model_or_path, nn.Module):
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a model object")
             model = model_or_path
-            name = model_name
         else:
             from .models.default_model import load_model, resolve_model_path
 
             model, loaded_tokenizer = load_model(model_or_path, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
-            name = model_name or (str(model_or_path) if model_or_path is not None
-                                  else resolve_model_path(None).name)
-        args = dict(zip(_ENGINE_ARGS, (max_num_seqs, max_num_batched_tokens, kv_cache_memory, max_model_len,
-                                       cuda_graph_sizes, name)))
-        self.llm_engine = LLMEngine.from_model(model, tokenizer, method, args, **options)
+            if serving.model_name is None:
+                serving.model_name = (str(model_or_path) if model_or_path is not None
+                                      else resolve_model_path(None).name)
+        optimize(model, method=method, **routed["engine"], **routed["method"])
+        self.llm_engine = LLMEngine(model, tokenizer, serving)
         self._ids = itertools.count()
 
     @property

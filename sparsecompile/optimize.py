@@ -7,16 +7,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from .methods import MethodConfigError, build_runtime, method_class
+from .config import EngineConfig, MethodConfigError, split_options
+from .methods import build_runtime, method_class, option_owners
 from .models.attention import ATTN_IMPLEMENTATION, register_attention
 from .models.colocate import colocate_projections, separate_projections
-from .models.hf_patch import install, install_sdpa_fallback, uninstall
+from .models.hf_patch import install, install_sdpa_fallback, patch_of, uninstall
 from .models.support import UnsupportedModelError, attention_modules, inspect_model, model_dtype_device, text_config
 from .passes import CaptureError, capture_backend
-from .runtime.controller import EngineConfig, SparseController
+from .runtime.compilation import decode_compiled, decode_cuda_graphs, wanted
+from .runtime.controller import SparseController
 
-_ENGINE_OPTIONS = ("page_size", "prefill_chunk_size", "compile", "cuda_graphs", "num_pages", "show_progress",
-                   "fuse_projections")
+
+def split_method_options(method: str, options: dict[str, Any],
+                         accepted: tuple[str, ...] = ("engine", "method")) -> dict[str, dict[str, Any]]:
+    """Route ``options`` into engine / serving / method options for ``method`` (clear errors otherwise)."""
+    cls = method_class(method)
+    return split_options(options, method, cls.config_class.option_names(), accepted, owners=option_owners)
 
 
 def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Module:
@@ -25,31 +31,24 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     Args:
         model: an HF causal LM (``AutoModelForCausalLM``); the normal ``model.generate()`` keeps working.
         method: a registered method name (``sparsecompile.available_methods()``).
-        **options: the method's options (see its config dataclass) and engine options:
-            ``page_size`` (16), ``prefill_chunk_size`` (2048; 0 = whole prompt), ``compile`` ("auto": decode
-            steps compiled on CUDA), ``cuda_graphs`` ("auto"), ``num_pages`` (None: sized on demand),
-            ``show_progress`` (False), ``fuse_projections`` (True: with compiled decode, q/k/v and gate/up
-            weights share one buffer per layer, so each group is one GEMM; ``restore()`` separates them).
+        **options: the method's options (its config dataclass in ``methods/<method>.py``) and the engine options
+            of :class:`sparsecompile.config.EngineConfig`: ``page_size`` (16), ``prefill_chunk_size`` (2048; 0 =
+            whole prompt), ``compile`` ("auto": decode steps compiled on CUDA), ``cuda_graphs`` ("auto"),
+            ``num_pages`` (None: sized on demand), ``show_progress`` (False), ``fuse_projections`` (True: with
+            compiled decode, q/k/v and gate/up weights share one buffer per layer, so each group is one GEMM;
+            ``restore()`` separates them).
 
     Raises:
-        MethodConfigError: unknown method, unknown or out-of-range option.
+        MethodConfigError: unknown method, unknown or out-of-range option (the message says which kind of option
+            it was taken for).
         UnsupportedModelError: the model uses something we cannot serve correctly (the message says what).
     """
-    engine_options = {k: options.pop(k) for k in _ENGINE_OPTIONS if k in options}
-    cls = method_class(method)
-    unknown = set(options) - set(cls.config_class.option_names())
-    if unknown:
-        valid = ", ".join(cls.config_class.option_names() + list(_ENGINE_OPTIONS))
-        raise MethodConfigError(f"unknown option(s) {', '.join(sorted(unknown))} for method {method!r}; "
-                                f"valid options: {valid}")
-    try:
-        config = EngineConfig(**engine_options)
-    except ValueError as err:
-        raise MethodConfigError(str(err)) from None
-    if "_sparsecompile" in model.__dict__:
+    routed = split_method_options(method, options)
+    config = EngineConfig(**routed["engine"])
+    if patch_of(model) is not None:
         restore(model)
     info = inspect_model(model)
-    runtime = build_runtime(method, options, info)
+    runtime = build_runtime(method, routed["method"], info)
     dtype, device = model_dtype_device(model)
     controller = SparseController(runtime, info.num_layers, info.num_kv_heads, info.head_dim, dtype, device, config)
     if not _can_set_attention(model):
@@ -57,7 +56,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
             raise UnsupportedModelError(
                 f"{info.model_type} ignores set_attn_implementation, so sparsecompile cannot reach its KV cache; only "
                 f"method='vanilla' runs on it (through the SDPA-rewrite fallback), not {method!r}")
-        install_sdpa_fallback(model, _want(config.compile, device), _want(config.cuda_graphs, device), info.num_layers)
+        install_sdpa_fallback(model, wanted(config.compile, device), wanted(config.cuda_graphs, device),
+                              info.num_layers)
         return model
     register_attention()
     previous = text_config(model)._attn_implementation
@@ -67,42 +67,38 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         raise UnsupportedModelError(f"{info.model_type}: cannot set a custom attention implementation "
                                     f"({err})") from None
     modules = [m for _, m in attention_modules(model)]
-    install(model, controller, modules, info.max_position_embeddings)
+    patched = install(model, controller, modules, info.max_position_embeddings)
+    patched.previous_attn = previous
     try:
         _check_capture(model, controller, info.num_layers)
     except BaseException:
         uninstall(model, modules)
         _set_attn(model, previous)
         raise
-    model.__dict__["_sparsecompile_previous_attn"] = previous
-    if _want(config.compile, device):
-        cuda_graphs = _want(config.cuda_graphs, device) and device.type == "cuda"
+    if decode_compiled(config.compile, device):
         if config.fuse_projections:
             colocate_projections(model)
-        controller.enable_compiled_decode(capture_backend(info.num_layers, cuda_graphs,
-                                                          keep_order=runtime.reads_pool_across_layers,
-                                                          fuse_linears=config.fuse_projections))
+        controller.enable_compiled_decode(capture_backend(
+            info.num_layers, decode_cuda_graphs(config.compile, config.cuda_graphs, device),
+            keep_order=runtime.reads_pool_across_layers, fuse_linears=config.fuse_projections))
     return model
 
 
 def restore(model: nn.Module) -> nn.Module:
     """Undo :func:`optimize`: release its cache state and give the model back its own attention."""
-    patched = model.__dict__.get("_sparsecompile")
-    if patched is None:
+    patch = patch_of(model)
+    if patch is None:
         return model
+    previous = getattr(patch, "previous_attn", None)
     uninstall(model, [m for _, m in attention_modules(model)])
     separate_projections(model)
-    _set_attn(model, model.__dict__.pop("_sparsecompile_previous_attn", None) or "sdpa")
+    _set_attn(model, previous or "sdpa")
     return model
 
 
 def _can_set_attention(model: nn.Module) -> bool:
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     return can_set() if callable(can_set) else True
-
-
-def _want(flag: bool | str, device: torch.device) -> bool:
-    return device.type == "cuda" if flag == "auto" else bool(flag)
 
 
 def _set_attn(model: nn.Module, name: str | None) -> None:
@@ -121,3 +117,6 @@ def _check_capture(model: nn.Module, controller: SparseController, num_layers: i
     if calls != num_layers:
         raise CaptureError(f"{text_config(model).model_type}: {calls} of {num_layers} attention layers went through "
                            "sparsecompile (the model ignores set_attn_implementation); refusing to run silently dense")
+
+
+__all__ = ["MethodConfigError", "UnsupportedModelError", "optimize", "restore", "split_method_options"]

@@ -51,7 +51,7 @@ def test_compaction_is_physical_eviction():
     m, rows, step, keys = _filled()
     free_before = m.allocator.num_free
     keep = torch.tensor([[[0, 3, 8], [1, 2, 9]], [[0, 5, 6], [2, 3, 4]]])  # per row, per head, ascending
-    m.compact(0, step.rows, keep)
+    m.move_slots(0, step.rows, keep, torch.arange(3).expand_as(keep))  # kept slots to the front, in order
     for row in rows:
         m.truncate(row, 0, 3)
     m.flush()

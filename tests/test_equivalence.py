@@ -8,6 +8,7 @@ from method_matrix import DENSE_EQUIVALENT
 from tiny_models import ARCHITECTURES, left_padded_batch, tiny_pair
 
 import sparsecompile
+from sparsecompile.models.hf_patch import patched_model
 
 GREEDY = dict(max_new_tokens=16, do_sample=False)
 
@@ -53,7 +54,7 @@ def test_forward_logits_and_continuation():
     torch.testing.assert_close(out.logits, want, atol=1e-5, rtol=1e-5)
     cache = out.cache if "cache" in out else out.past_key_values
     nxt = torch.randint(3, 96, (2, 4))
-    got = model(nxt, **{model.__dict__["_sparsecompile"].cache_name: cache}).logits
+    got = model(nxt, **{patched_model(model).cache_name: cache}).logits
     torch.testing.assert_close(got, reference(torch.cat([ids, nxt], 1)).logits[:, -4:], atol=1e-5, rtol=1e-5)
     cache.release()
 
@@ -63,7 +64,7 @@ def test_generate_returns_usable_cache_and_releases_pages():
     ids, mask = left_padded_batch()
     sparsecompile.optimize(model, page_size=4)
     model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-    manager = model.__dict__["_sparsecompile"].controller.manager
+    manager = patched_model(model).controller.manager
     assert manager.allocator.num_free == manager.num_pages  # released after generate
     out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
     cache = out["cache"] if "cache" in out else out["past_key_values"]

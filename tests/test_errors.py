@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 import sparsecompile
 from sparsecompile import MethodConfigError, UnsupportedModelError
+from sparsecompile.models.hf_patch import patch_of, patched_model
 
 
 def test_unknown_method():
@@ -38,7 +39,7 @@ def test_prompt_over_max_length():
     ids = torch.randint(3, 96, (1, 40))
     with pytest.raises(ValueError, match="exceeds the model's maximum length 32"):
         model.generate(input_ids=ids, max_new_tokens=2)
-    manager = model.__dict__["_sparsecompile"].controller.manager
+    manager = patched_model(model).controller.manager
     assert manager is None or manager.allocator.num_free == manager.num_pages
 
 
@@ -71,6 +72,6 @@ def test_restore_gives_the_model_back():
     ids = torch.randint(3, 96, (1, 6))
     sparsecompile.optimize(model)
     sparsecompile.restore(model)
-    assert "_sparsecompile" not in model.__dict__
+    assert patch_of(model) is None
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False),
                        reference.generate(input_ids=ids, max_new_tokens=4, do_sample=False))

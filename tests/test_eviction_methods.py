@@ -15,8 +15,9 @@ from tiny_models import left_padded_batch, tiny_pair
 import sparsecompile
 from sparsecompile import MethodConfigError
 from sparsecompile.methods import build_runtime
-from sparsecompile.models.support import ModelInfo
+from sparsecompile.models.hf_patch import patched_model
 from sparsecompile.runtime.controller import EngineConfig, SparseController
+from sparsecompile.runtime.model_info import ModelInfo
 
 LENGTHS = (23, 9, 17)
 TOL = 1e-5
@@ -25,7 +26,7 @@ TOL = 1e-5
 # ---------------------------------------------------------------------------------------------- helpers
 def capture(model) -> list[tuple]:
     """Record ``(layer, positions, query, key, is_prefill)`` of every attention call of a patched model."""
-    controller = model.__dict__["_sparsecompile"].controller
+    controller = patched_model(model).controller
     calls, attend = [], controller.attend
 
     def recording(layer, query, key, value, scale, window):
@@ -254,7 +255,7 @@ def test_h2o_chunked_prefill_and_decode_follow_the_recurrence(interval):
     sparsecompile.optimize(model, "h2o", budget=budget, recent=recent, interval=interval, page_size=4,
                            prefill_chunk_size=6)
     calls = capture(model)
-    runtime = model.__dict__["_sparsecompile"].controller.runtime
+    runtime = patched_model(model).controller.runtime
     history, commit = [], runtime.commit_step
 
     def recording(manager, step):
@@ -319,7 +320,7 @@ def test_memory_is_freed_and_matches_the_oracle(method, options):
     cache.release()
     _, model = tiny_pair("llama", seed=12)
     sparsecompile.optimize(model, method, page_size=4, prefill_chunk_size=8, **options)
-    controller = model.__dict__["_sparsecompile"].controller
+    controller = patched_model(model).controller
     cache = generate(model, lengths, new=new)
     stats, manager = sparsecompile.kv_stats(cache), controller.manager
     tokens = sum(len(h) for layer in range(2) for row in retained(cache, layer) for h in row)

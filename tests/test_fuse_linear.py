@@ -9,6 +9,7 @@ from torch import nn
 
 import sparsecompile
 from sparsecompile.models.colocate import colocate_projections, separate_projections
+from sparsecompile.models.hf_patch import patched_model
 from sparsecompile.passes.fuse_linear import fuse_sibling_linears
 
 
@@ -75,7 +76,7 @@ def test_compiled_decode_fuses_every_layer_and_restore_separates(model_type):
     ids = torch.randint(3, 96, (2, 9))
     want = reference.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
-    backend = model.__dict__["_sparsecompile"].controller.decode_backend
+    backend = patched_model(model).controller.decode_backend
     assert backend.fused_groups == 2 * 2  # q/k/v and gate/up in each of 2 layers
     sparsecompile.restore(model)
     assert len(_storages(model)) == len(list(model.parameters()))

@@ -174,7 +174,7 @@ def test_bad_requests_are_rejected_and_leave_nothing_behind():
 def test_engine_refuses_a_model_it_cannot_reach():
     reference, _ = tiny_pair("llama")
     with pytest.raises(sparsecompile.UnsupportedModelError, match="optimize"):
-        sparsecompile.runtime.engine.LLMEngine(reference, DigitTokenizer())
+        sparsecompile.serving.engine.LLMEngine(reference, DigitTokenizer())
 
 
 @pytest.mark.slow

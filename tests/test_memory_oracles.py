@@ -18,9 +18,9 @@ from sparsecompile.methods.eviction import EvictionMemoryOracle
 from sparsecompile.methods.omnikv import OmniKVMemoryOracle
 from sparsecompile.methods.pyramidkv import pyramid_budgets
 from sparsecompile.methods.quest import QuestMemoryOracle
-from sparsecompile.models.support import ModelInfo
 from sparsecompile.runtime.cache_manager import CacheManager, KVLayout
 from sparsecompile.runtime.memory_oracle import DenseMemoryOracle, MemoryOracle
+from sparsecompile.runtime.model_info import ModelInfo
 from sparsecompile.runtime.step import StepState
 
 L, KV_HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4

@@ -19,6 +19,7 @@ import torch
 from needle import passkey_prompt
 
 import sparsecompile
+from sparsecompile.models.hf_patch import patched_model
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ def _answer(model, tokenizer, ids, method: str | None, **options):
         seq = out.sequences
         cache = out["cache"] if "cache" in out else out["past_key_values"]
         stats = sparsecompile.kv_stats(cache)
-        runtime = model.__dict__["_sparsecompile"].controller.runtime
+        runtime = patched_model(model).controller.runtime
         cache.release()
     text = tokenizer.decode(seq[0, ids.shape[1]:], skip_special_tokens=True)
     return PASSKEY in re.sub(r"\D", "", text), stats, runtime

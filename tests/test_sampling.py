@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecompile.runtime.outputs import RequestRejected, SamplingParams
-from sparsecompile.runtime.sampling import make_generator, sample
+from sparsecompile.serving.outputs import RequestRejected, SamplingParams
+from sparsecompile.serving.sampling import make_generator, sample
 
 # Chi-square critical values at p = 1e-4 (degrees of freedom -> value): a correct sampler fails once in 10^4 runs,
 # and every test seeds its RNG, so a run is deterministic anyway.

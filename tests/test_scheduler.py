@@ -17,8 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sparsecompile.methods.eviction import EvictionMemoryOracle
 from sparsecompile.runtime.cache_manager import CacheManager, KVLayout
 from sparsecompile.runtime.memory_oracle import DenseMemoryOracle
-from sparsecompile.runtime.outputs import RequestMetrics, RequestRejected, SamplingParams
-from sparsecompile.runtime.scheduler import Request, RequestStatus, Scheduler
+from sparsecompile.serving.outputs import RequestMetrics, RequestRejected, SamplingParams
+from sparsecompile.serving.scheduler import Request, RequestStatus, Scheduler
 
 LAYERS, PAGE, PAGES, MAX_LEN = 2, 4, 48, 64
 LAYOUT = KVLayout(LAYERS, 1, 4, PAGE, torch.float32, torch.device("cpu"))

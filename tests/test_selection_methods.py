@@ -13,17 +13,18 @@ from tiny_models import ARCHITECTURES, left_padded_batch, tiny_pair
 import sparsecompile
 from sparsecompile.kernels.omnikv_scores import omnikv_scores_reference
 from sparsecompile.methods import MethodConfigError, make_config
-from sparsecompile.methods.base import LayerContext
 from sparsecompile.methods.quest import KMAX, KMIN, QuestConfig, QuestRuntime
-from sparsecompile.models.support import ModelInfo
+from sparsecompile.models.hf_patch import patched_model
 from sparsecompile.runtime.cache_manager import CacheManager, KVLayout
+from sparsecompile.runtime.contract import LayerContext
+from sparsecompile.runtime.model_info import ModelInfo
 from sparsecompile.runtime.step import StepState
 
 GREEDY = dict(max_new_tokens=10, do_sample=False)
 
 
 def _controller(model):
-    return model.__dict__["_sparsecompile"].controller
+    return patched_model(model).controller
 
 
 def _cache(out):

@@ -25,8 +25,8 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparsecompile.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from sparsecompile.server import create_app
+from sparsecompile.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 pytestmark = pytest.mark.slow
 

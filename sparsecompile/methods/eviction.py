@@ -25,14 +25,15 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from ..config import MethodConfig, MethodConfigError, option
 from ..kernels import gather_slots
+from ..runtime.contract import SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import MemoryOracle
-from .base import MethodConfig, MethodConfigError, SparseMethodRuntime
 
 if TYPE_CHECKING:
-    from ..models.support import ModelInfo
     from ..runtime.cache_manager import CacheManager, KVLayout
+    from ..runtime.model_info import ModelInfo
     from ..runtime.step import StepState
 
 INF = float("inf")
@@ -42,8 +43,8 @@ INF = float("inf")
 class EvictionConfig(MethodConfig):
     """``budget`` (tokens kept per layer and KV head) or ``ratio`` (fraction of the prompt kept): exactly one."""
 
-    budget: int | None = None
-    ratio: float | None = None
+    budget: int | None = option(None, "tokens kept per layer and KV head, protected tokens included (or ratio)")
+    ratio: float | None = option(None, "fraction of the prompt kept per layer and KV head, in (0, 1] (or budget)")
 
     method: ClassVar[str] = "eviction"
 
@@ -153,7 +154,7 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
 
 
 # ---------------------------------------------------------------------------------------------- runtime
-class EvictionRuntime(SparseMethodRuntime):
+class EvictionRuntime(SparseMethod):
     """Budget bookkeeping and physical eviction shared by the eviction methods.
 
     Subclasses set :attr:`chunk_eviction` / :attr:`decode_interval` and implement :meth:`prefill_scores`
@@ -181,6 +182,23 @@ class EvictionRuntime(SparseMethodRuntime):
     def decode_interval(self) -> int:
         """Evict during decode once a row holds ``budget + interval`` slots (0: decode only appends)."""
         return 0
+
+    # ---- what subclasses read of this step's eviction plan
+    def evicts_layer(self, layer: int) -> bool:
+        """Host: this (prefill) step compacts ``layer`` for at least one row."""
+        return bool((self._targets[:, layer] < self._counts[:, layer]).any())
+
+    def step_counts(self, layer: int) -> torch.Tensor:
+        """Device ``[batch]`` slot counts of ``layer`` before this prefill step's eviction (evicting steps only)."""
+        return self._step_counts[:, layer]
+
+    def step_recent(self) -> torch.Tensor:
+        """Device ``[batch]`` protected recent tokens of each row in this prefill step (evicting steps only)."""
+        return self._step_recent
+
+    def decode_recent(self, rows: torch.Tensor) -> torch.Tensor:
+        """Device ``[batch]`` protected recent tokens of decoding ``rows`` (traceable)."""
+        return self._limits[rows, 1]
 
     # ---- budgets (host)
     def layer_budgets(self, prompt_len: int) -> list[int]:

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..config import MethodConfigError, option
 from ..kernels import gather_slots, h2o_accumulate
+from ..runtime.contract import LayerContext, PrefillMode
 from ..runtime.host import to_device
-from .base import LayerContext, MethodConfigError
 from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive, recent_mask, resident
 from .registry import register_method
 
@@ -56,8 +57,8 @@ class H2OConfig(EvictionConfig):
         interval: during decode, evict once a layer holds ``budget + interval`` tokens (1: every step).
     """
 
-    recent: int | None = None
-    interval: int = 1
+    recent: int | None = option(None, "newest tokens always kept (default: half the budget)")
+    interval: int = option(1, "during decode, evict once a layer holds budget + interval tokens (1: every step)")
 
     method = "h2o"
 
@@ -80,7 +81,7 @@ class H2ORuntime(EvictionRuntime):
     config_class = H2OConfig
     config: H2OConfig
     chunk_eviction = True
-    prefill_mode = "aligned"  # what is kept depends on where chunks end: the same chunks as generate()
+    prefill_mode = PrefillMode.ALIGNED  # what is kept depends on where chunks end: the same chunks as generate()
 
     @property
     def decode_interval(self) -> int:
@@ -115,8 +116,8 @@ class H2ORuntime(EvictionRuntime):
 
     def prefill_scores(self, manager: CacheManager, step: StepState, layer: int, width: int) -> torch.Tensor:
         slots, _, pos = resident(manager, layer, step.rows, width)
-        return self._scores(manager, slots, pos, self._step_recent)  # recent_tokens(budget) per row, uploaded once
+        return self._scores(manager, slots, pos, self.step_recent())
 
     def decode_scores(self, manager: CacheManager, step: StepState, layer: int, slots: torch.Tensor,
                       pos: torch.Tensor) -> torch.Tensor:
-        return self._scores(manager, slots, pos, self._limits[step.rows, 1])
+        return self._scores(manager, slots, pos, self.decode_recent(step.rows))

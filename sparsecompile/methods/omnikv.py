@@ -32,18 +32,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import MethodConfig, MethodConfigError, option
 from ..kernels.omnikv_scores import omnikv_scores
 from ..kernels.topk_select import topk_select
+from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import Selection, SlotSelection
-from .base import LayerContext, MethodConfig, MethodConfigError, SparseMethodRuntime
 from .read_stats import ReadCounter, grow_rows
 from .registry import register_method
 
 if TYPE_CHECKING:
-    from ..models.support import ModelInfo
     from ..runtime.cache_manager import CacheManager, KVLayout
+    from ..runtime.model_info import ModelInfo
     from ..runtime.step import StepState
 
 DEFAULT_FILTER_LAYERS = (2, 8, 18)
@@ -60,9 +61,10 @@ class OmniKVConfig(MethodConfig):
         filter_layers: observation layers, e.g. ``"2,8,18"`` or ``(2, 8, 18)``; None: 2, 8, 18 clipped to the depth.
     """
 
-    budget: int | None = None
-    ratio: float | None = None
-    filter_layers: str | tuple[int, ...] | None = None
+    budget: int | None = option(None, "prompt tokens selected per decode step (default 2048; or ratio)")
+    ratio: float | None = option(None, "fraction of the prompt selected per decode step (or budget)")
+    filter_layers: str | tuple[int, ...] | None = option(None, "filter layers, comma-separated (default: "
+                                                               "\"2,8,18\", clipped to the depth)")
 
     def validate(self) -> None:
         if self.budget is not None and self.ratio is not None:
@@ -105,7 +107,7 @@ class OmniKVMemoryOracle(DenseMemoryOracle):
 
 
 @register_method
-class OmniKVRuntime(SparseMethodRuntime):
+class OmniKVRuntime(SparseMethod):
     name = "omnikv"
     config_class = OmniKVConfig
     reads_pool_across_layers = True

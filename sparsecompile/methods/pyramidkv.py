@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import MethodConfigError
+from ..config import MethodConfigError, option
 from .registry import register_method
 from .snapkv import SnapKVConfig, SnapKVRuntime
 
@@ -28,7 +28,7 @@ from .snapkv import SnapKVConfig, SnapKVRuntime
 class PyramidKVConfig(SnapKVConfig):
     """Options of ``pyramidkv``: SnapKV's plus ``beta`` (steepness: the last layer keeps ``budget / beta``)."""
 
-    beta: float = 20.0
+    beta: float = option(20.0, "pyramid steepness: the last layer keeps about budget / beta")
 
     method = "pyramidkv"
 

@@ -31,18 +31,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import MethodConfig, MethodConfigError, option
 from ..kernels.quest_scores import page_minmax_update, quest_page_scores
 from ..kernels.topk_select import topk_select
+from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import PageSelection, Selection
-from .base import LayerContext, MethodConfig, MethodConfigError, SparseMethodRuntime
 from .read_stats import ReadCounter
 from .registry import register_method
 
 if TYPE_CHECKING:
-    from ..models.support import ModelInfo
     from ..runtime.cache_manager import CacheManager, KVLayout
+    from ..runtime.model_info import ModelInfo
     from ..runtime.step import StepState
 
 KMIN, KMAX = "quest_kmin", "quest_kmax"
@@ -58,9 +59,10 @@ class QuestConfig(MethodConfig):
         quest_page_size: Quest's page size in tokens; must equal the engine ``page_size`` (None: use it).
     """
 
-    budget: int = 2048
-    dense_layers: int = 2
-    quest_page_size: int | None = None
+    budget: int = option(2048, "tokens read per decode step and sparse layer (budget // page_size pages, "
+                               "current page included)")
+    dense_layers: int = option(2, "the first layers, read densely")
+    quest_page_size: int | None = option(None, "Quest's page size in tokens; must equal the engine page_size")
 
     def validate(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
@@ -92,7 +94,7 @@ class QuestMemoryOracle(DenseMemoryOracle):
 
 
 @register_method
-class QuestRuntime(SparseMethodRuntime):
+class QuestRuntime(SparseMethod):
     name = "quest"
     config_class = QuestConfig
 

@@ -13,8 +13,8 @@ import torch
 
 if TYPE_CHECKING:
     from ..runtime.cache_manager import CacheManager
+    from ..runtime.contract import LayerContext
     from ..runtime.step import StepState
-    from .base import LayerContext
 
 
 def grow_rows(buffer: torch.Tensor | None, rows: int, shape: tuple[int, ...], dtype: torch.dtype,

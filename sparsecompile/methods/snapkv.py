@@ -29,14 +29,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..config import MethodConfigError, option
 from ..kernels import snapkv_scores
-from .base import LayerContext, MethodConfigError
+from ..runtime.contract import LayerContext
 from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive
 from .registry import register_method
 
 if TYPE_CHECKING:
-    from ..models.support import ModelInfo
     from ..runtime.cache_manager import CacheManager
+    from ..runtime.model_info import ModelInfo
     from ..runtime.step import StepState
 
 
@@ -50,9 +51,9 @@ class SnapKVConfig(EvictionConfig):
         kernel: pooling width (odd). pooling: "max" or "avg".
     """
 
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
+    window: int = option(32, "observation window: the last prompt queries, always kept")
+    kernel: int = option(7, "pooling width over neighbouring positions (odd)")
+    pooling: str = option("max", "pooling of the window scores: max or avg")
 
     method = "snapkv"
 
@@ -90,11 +91,11 @@ class SnapKVRuntime(EvictionRuntime):
         if not step.is_prefill:
             return
         queries, positions = self._update_window(ctx)
-        if step.is_last_chunk and (self._targets[:, layer] < self._counts[:, layer]).any():
+        if step.is_last_chunk and self.evicts_layer(layer):
             v = ctx.view
             mass = snapkv_scores(queries, v.k_pool, v.pos_pool, v.index, v.lengths, positions, v.block_size,
                                  ctx.scale, ctx.sliding_window)
-            self._pending[layer] = self._pooled(mass, self._step_counts[:, layer])  # uploaded in prepare_step
+            self._pending[layer] = self._pooled(mass, self.step_counts(layer))
 
     def _update_window(self, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Merge this chunk's queries into each row's window; returns ``[batch, q_heads, w, d]``, ``[batch, w]``."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import MethodConfigError
+from ..config import MethodConfigError, option
 from .eviction import INF, EvictionConfig, EvictionRuntime, resident
 from .registry import register_method
 
@@ -36,7 +36,7 @@ class StreamingLLMConfig(EvictionConfig):
         sinks: first tokens always kept (attention sinks).
     """
 
-    sinks: int = 4
+    sinks: int = option(4, "first tokens always kept (attention sinks)")
 
     method = "streamingllm"
 

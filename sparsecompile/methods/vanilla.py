@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import MethodConfig, SparseMethodRuntime
+from ..config import MethodConfig
+from ..runtime.contract import SparseMethod
 from .registry import register_method
 
 
@@ -18,7 +19,7 @@ class VanillaConfig(MethodConfig):
 
 
 @register_method
-class VanillaRuntime(SparseMethodRuntime):
+class VanillaRuntime(SparseMethod):
     name = "vanilla"
     config_class = VanillaConfig
     needs_cache_access = False

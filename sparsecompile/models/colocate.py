@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..passes.fuse_linear import rows_follow
+
 #: Sibling projections that read the same input, by HF attribute names.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -28,12 +30,6 @@ def _group(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
     if not same or len(biased) != 1 or first.device.type == "meta":
         return None
     return linears
-
-
-def rows_follow(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
-    """``nxt`` starts in ``prev``'s storage right where ``prev`` ends (the layout this module creates)."""
-    return (nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-            and nxt.storage_offset() == prev.storage_offset() + prev.numel())
 
 
 def _adjacent(tensors: list[torch.Tensor]) -> bool:

@@ -17,6 +17,10 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..kernels.dense_attention import CALLS
+from ..passes.capture import CaptureError
+from ..passes.sdpa_rewrite import sdpa_rewrite_backend
+from ..runtime.compilation import compile_dynamic
 from ..runtime.controller import SparseController
 from .attention import CONTROLLER_ATTR
 from .hf_cache import SparseCache
@@ -25,6 +29,24 @@ _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_f
 # Arguments the patched forward consumes itself; anything else is passed to the original forward.
 _CONSUMED = {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
              "logits_to_keep", "return_dict", "labels", "output_attentions", "output_hidden_states", "cache_position"}
+
+
+_PATCH_ATTR = "_sparsecompile"  # where a patched model keeps its patch (a plain instance attribute)
+
+
+def patch_of(model: nn.Module) -> PatchedModel | SdpaFallback | None:
+    """The sparsecompile patch installed on ``model`` (None if it is not patched): the one accessor."""
+    return getattr(model, "__dict__", {}).get(_PATCH_ATTR)
+
+
+def patched_model(model: nn.Module) -> PatchedModel:
+    """The patch of a model optimized with cache access (what the serving engine and the KV APIs drive)."""
+    patch = patch_of(model)
+    if not isinstance(patch, PatchedModel):
+        why = ("it runs through the SDPA-rewrite fallback, which leaves the KV cache to transformers"
+               if patch is not None else "it is not patched")
+        raise ValueError(f"expected a model patched by sparsecompile.optimize() with cache access; {why}")
+    return patch
 
 
 def cache_argument_name(model: nn.Module) -> str:
@@ -44,6 +66,7 @@ class PatchedModel:
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.orig_forward).parameters
         self.signature = inspect.signature(self.orig_forward)
         self.last_cache = None  # weakref target for kv_stats(model)
+        self.previous_attn: str | None = None  # the attention implementation restore() gives back
 
     # ------------------------------------------------------------------ the inner forward (stable for compile)
     def inner(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
@@ -123,7 +146,7 @@ class PatchedModel:
         elif batch != len(cache.rows):
             raise ValueError(f"the cache holds {len(cache.rows)} sequences but the input has {batch}")
         progress = None
-        chunk = c.config.prefill_chunk_size
+        chunk = c.prefill_chunk
         if c.config.show_progress and chunk and tokens > chunk:
             from tqdm.auto import tqdm
 
@@ -174,7 +197,7 @@ def install(model: nn.Module, controller: SparseController, attention: list[nn.M
     patched = PatchedModel(model, controller, max_length)
     for module in attention:
         module.__dict__[CONTROLLER_ATTR] = controller  # plain attribute: not a submodule, not a buffer
-    model.__dict__["_sparsecompile"] = patched
+    model.__dict__[_PATCH_ATTR] = patched
 
     @functools.wraps(patched.orig_forward)
     def forward(*args, **kwargs):
@@ -189,7 +212,7 @@ def install(model: nn.Module, controller: SparseController, attention: list[nn.M
 
 
 def uninstall(model: nn.Module, attention: list[nn.Module]) -> None:
-    patched = model.__dict__.pop("_sparsecompile", None)
+    patched = model.__dict__.pop(_PATCH_ATTR, None)
     if patched is None:
         return
     for module in attention:
@@ -203,26 +226,20 @@ class SdpaFallback:
     SDPA-rewrite backend, so each attention call is ``sparsecompile::dense_attention``; KV stays in HF's cache."""
 
     def __init__(self, model: nn.Module, use_inductor: bool, cuda_graphs: bool) -> None:
-        from ..passes.sdpa_rewrite import sdpa_rewrite_backend
-
         self.orig_forward = model.forward
         self.backend = sdpa_rewrite_backend(use_inductor, cuda_graphs)
-        self.compiled = torch.compile(self.orig_forward, backend=self.backend, dynamic=True)
-        self.controller = None
+        self.compiled = compile_dynamic(self.orig_forward, self.backend)
 
 
 def install_sdpa_fallback(model: nn.Module, use_inductor: bool, cuda_graphs: bool, num_layers: int) -> SdpaFallback:
     """Patch ``model`` through the SDPA-rewrite fallback and check that every layer's attention became our op."""
-    from ..kernels.dense_attention import CALLS
-    from ..passes.capture import CaptureError
-
     patch = SdpaFallback(model, use_inductor, cuda_graphs)
 
     @functools.wraps(patch.orig_forward)
     def forward(*args, **kwargs):
         return patch.compiled(*args, **kwargs)
 
-    model.__dict__["_sparsecompile"] = patch
+    model.__dict__[_PATCH_ATTR] = patch
     model.forward = forward
     before = CALLS[0]
     with torch.no_grad():

@@ -7,38 +7,14 @@ attention layers) is refused at ``optimize()`` with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
+
+from ..runtime.model_info import ModelInfo
 
 
 class UnsupportedModelError(ValueError):
     """The model cannot be served correctly by sparsecompile; the message names the reason."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine needs to know about a causal LM.
-
-    Attributes:
-        model_type: ``config.model_type`` of the text model.
-        num_layers, num_q_heads, num_kv_heads, head_dim: attention geometry (``num_q_heads % num_kv_heads == 0``).
-        attention_paths: qualified names of the attention modules, in layer order.
-        max_position_embeddings: the model's maximum length, or None if unknown.
-    """
-
-    model_type: str
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    attention_paths: tuple[str, ...]
-    max_position_embeddings: int | None
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
 
 # model_type -> reason we refuse it (features not implemented yet, or no hook point).

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ..runtime.compilation import inductor_patches
 from .fuse_linear import fuse_sibling_linears
 
 
@@ -57,8 +58,8 @@ def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "induct
     """A dynamo backend: :func:`check_capture`, then inductor (``inner="inductor"``) or eager (``"eager"``).
 
     ``keep_order``: turn off inductor's locality reordering, for methods whose graph reads pool state in one
-    layer that a later layer's op mutates (see below). ``fuse_linears``: one GEMM per group of sibling
-    projections whose weights share a buffer (:mod:`.fuse_linear`).
+    layer that a later layer's op mutates (see ``runtime.compilation.inductor_patches``). ``fuse_linears``: one
+    GEMM per group of sibling projections whose weights share a buffer (:mod:`.fuse_linear`).
     """
 
     def backend(gm: fx.GraphModule, example_inputs):
@@ -70,13 +71,8 @@ def capture_backend(expected_sites: int, cuda_graphs: bool, inner: str = "induct
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        # reorder_for_locality sinks nodes to just before their first user. It moved OmniKV's scoring of the
-        # filter layer's keys past the next layer's kv_write, so that write could no longer happen in place: the
-        # key pool was copied whole (32 GiB at 128K x 4) for the score to read the old version.
-        patches = {"triton.cudagraphs": cuda_graphs}
-        if keep_order:
-            patches["reorder_for_locality"] = False
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=inductor_patches(cuda_graphs=cuda_graphs,
+                                                                              keep_order=keep_order))
 
     backend.graphs_checked = 0
     backend.fused_groups = 0

@@ -3,8 +3,9 @@
 ``q = linear(x, Wq); k = linear(x, Wk); v = linear(x, Wv)`` becomes ``linear(x, W)`` split three ways, where
 ``W`` is an ``as_strided`` view spanning ``Wq``'s storage from its offset: no copy and no new graph input,
 only possible because :func:`sparsecompile.models.colocate.colocate_projections` placed the weights
-back to back. The pass reads the real example inputs (dynamo hands them to the backend) to check the
-adjacency, and fills each new node's ``example_value`` for the passes that follow.
+back to back (:func:`rows_follow` is the layout they agree on). The pass reads the real example inputs
+(dynamo hands them to the backend) to check the adjacency, and fills each new node's ``example_value`` for the
+passes that follow.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..models.colocate import rows_follow
-
 _LINEAR = (torch._C._nn.linear, F.linear)
+
+
+def rows_follow(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
+    """``nxt`` starts in ``prev``'s storage right where ``prev`` ends (the layout this module creates)."""
+    return (nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and nxt.storage_offset() == prev.storage_offset() + prev.numel())
 
 
 def _linear_args(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from ..runtime.compilation import inductor_patches
 from .capture import _is_sdpa
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -49,7 +50,8 @@ def sdpa_rewrite_backend(use_inductor: bool, cuda_graphs: bool = False) -> Calla
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": cuda_graphs})
+        patches = inductor_patches(cuda_graphs=cuda_graphs, keep_order=False)
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     backend.rewritten = 0
     return backend

@@ -348,12 +348,6 @@ class CacheManager:
         for pool, values in zip(pools, moved):
             self.scatter_slots(pool, g_dst, values)
 
-    def compact(self, layer: int, rows: torch.Tensor, keep: torch.Tensor) -> None:
-        """Physical eviction, device half: per KV head, move the kept row-local slots ``keep [batch, kv_heads, k]``
-        (ascending) to slots ``0..k-1``. The host half is :meth:`truncate` to ``k`` slots, which frees pages."""
-        dst = torch.arange(keep.shape[-1], device=keep.device).expand_as(keep)
-        self.move_slots(layer, rows, keep, dst)
-
     # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
     def retained_positions(self, row: int, layer: int) -> list[torch.Tensor]:
         """For each KV head of ``(row, layer)``, the sorted logical positions still resident."""

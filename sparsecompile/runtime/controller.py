@@ -12,52 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..config import EngineConfig
 from ..kernels import paged_attention
-from ..methods.base import LayerContext, SparseMethodRuntime
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
+from .compilation import compile_step
+from .contract import LayerContext, PrefillMode, SparseMethod
 from .step import StepState
 
 InnerForward = Callable[..., torch.Tensor]
-
-
-@dataclass
-class EngineConfig:
-    """Engine options shared by ``optimize()`` and the serving runtime.
-
-    Attributes:
-        page_size: tokens per KV page.
-        prefill_chunk_size: prompt tokens per prefill forward (chunked prefill); 0 = whole prompt.
-        compile: compile decode steps with ``torch.compile`` ("auto": on CUDA only).
-        cuda_graphs: replay compiled decode steps as CUDA graphs ("auto": when compiling on CUDA).
-        num_pages: fixed pool size; None sizes it from the method's MemoryOracle and grows on demand.
-        show_progress: a progress bar over prefill chunks (the CLI turns it on).
-        fuse_projections: compiled decode runs each layer's q/k/v and gate/up projections as one GEMM per group.
-    """
-
-    page_size: int = 16
-    prefill_chunk_size: int = 2048
-    compile: bool | str = "auto"
-    cuda_graphs: bool | str = "auto"
-    num_pages: int | None = None
-    show_progress: bool = False
-    fuse_projections: bool = True
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
-        if self.prefill_chunk_size < 0:
-            raise ValueError(f"prefill_chunk_size must be >= 0 (0 = whole prompt), got {self.prefill_chunk_size}")
-        for name in ("compile", "cuda_graphs"):
-            if getattr(self, name) not in (True, False, "auto"):
-                raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
 
 
 def _bucket(n: int) -> int:
@@ -73,12 +40,13 @@ def _bucket(n: int) -> int:
 class SparseController:
     """Lifecycle driver for one patched model (see module docstring)."""
 
-    def __init__(self, runtime: SparseMethodRuntime, num_layers: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, runtime: SparseMethod, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         self.runtime = runtime
         self.config = config
         self.layout = KVLayout(num_layers, num_kv_heads, head_dim, config.page_size, dtype, torch.device(device))
         self.oracle = runtime.memory_oracle(self.layout)
+        self.oracle.prefill_chunk = self.prefill_chunk
         self.manager: CacheManager | None = None
         self.step: StepState | None = None
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
@@ -87,6 +55,15 @@ class SparseController:
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Prompt tokens per prefill forward (None: the whole prompt in one forward), from the engine option and
+        the method's prefill mode: the one place that decides it (``generate()``, the scheduler and the memory
+        oracle all read it)."""
+        if self.runtime.prefill_mode is PrefillMode.WHOLE or not self.config.prefill_chunk_size:
+            return None
+        return self.config.prefill_chunk_size
 
     # ------------------------------------------------------------------ capacity (host)
     def reserve(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
@@ -204,9 +181,7 @@ class SparseController:
         across engine steps), so the last chunk here does not end the prompt.
         """
         tokens = positions.shape[1]
-        chunk = self.config.prefill_chunk_size or tokens
-        if self.runtime.prefill_mode == "whole":
-            chunk = tokens
+        chunk = self.prefill_chunk or tokens
         outputs = []
         for start in range(0, tokens, chunk):
             stop = min(tokens, start + chunk)
@@ -288,4 +263,4 @@ class SparseController:
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
         self.decode_backend = backend
-        self._compiled_decode = torch.compile(self._decode_eager, backend=backend, fullgraph=True, dynamic=False)
+        self._compiled_decode = compile_step(self._decode_eager, backend)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +22,6 @@ class StepState:
         is_prefill: prompt tokens (True) or one decode token per row (False).
         is_last_chunk: this forward ends the prompt (SnapKV compacts after it).
         row_ids / num_new_host: host copies of ``rows`` and ``num_new``.
-        prompt_lengths: host list, logical prompt length per row once the prompt is complete.
     """
 
     rows: torch.Tensor
@@ -33,11 +32,6 @@ class StepState:
     is_last_chunk: bool
     row_ids: list[int]
     num_new_host: list[int]
-    prompt_lengths: list[int] = field(default_factory=list)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.row_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -45,7 +39,7 @@ class StepState:
 
     @staticmethod
     def build(rows: list[int], valid: torch.Tensor, positions: torch.Tensor, *, is_prefill: bool,
-              is_last_chunk: bool, device: torch.device, prompt_lengths: list[int] | None = None) -> StepState:
+              is_last_chunk: bool, device: torch.device) -> StepState:
         """Build from host data: ``valid [batch, tokens]`` bool and ``positions [batch, tokens]`` (any device)."""
         valid = valid.to("cpu", torch.bool)
         positions = positions.to("cpu", torch.int64)
@@ -60,5 +54,4 @@ class StepState:
             is_last_chunk=is_last_chunk,
             row_ids=list(rows),
             num_new_host=num_new.tolist(),
-            prompt_lengths=list(prompt_lengths or []),
         )

@@ -27,11 +27,6 @@ class AttentionView:
     lengths: torch.Tensor
     block_size: int
 
-    @property
-    def slots_read(self) -> torch.Tensor:
-        """``[batch, kv_heads]`` slots the kernel visits (before the position mask)."""
-        return self.lengths
-
 
 @dataclass
 class SlotSelection:

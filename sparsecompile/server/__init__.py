@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over :class:`~sparsecompile.runtime.engine.LLMEngine`.
+"""OpenAI-compatible HTTP server over :class:`~sparsecompile.serving.engine.LLMEngine`.
 
 ``create_app(engine, served_model_name)`` builds the FastAPI app; ``serve(...)`` runs it with uvicorn
 (``sparsecompile serve`` on the command line).

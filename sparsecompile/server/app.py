@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..runtime.outputs import RequestOutput, RequestRejected
+from ..serving.interface import Engine
+from ..serving.outputs import RequestOutput, RequestRejected, SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .metrics import ServerMetrics
 from .protocol import (
@@ -112,8 +113,9 @@ def _usage(output: RequestOutput) -> UsageInfo:
     return UsageInfo.of(len(output.prompt_token_ids), completion)
 
 
-def create_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
-    """Build the app over ``engine`` (an ``LLMEngine``); ``served_model_name`` defaults to ``engine.model_name``.
+def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
+    """Build the app over ``engine`` (any :class:`~sparsecompile.serving.Engine`, e.g. an ``LLMEngine``);
+    ``served_model_name`` defaults to ``engine.model_name``.
 
     The engine thread starts with the app (or with the first request) and stops when the app shuts down.
     ``app.state.async_engine`` and ``app.state.metrics`` expose the bridge and the metrics.
@@ -162,7 +164,7 @@ def create_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {model_name!r} "
                                 "(see GET /v1/models)", param="model", error_type="model_not_found")
 
-    async def admit(request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+    async def admit(request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         try:
             return await bridge.add_request(request_id, prompt, params)
         except RequestRejected as err:
@@ -279,7 +281,7 @@ def create_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
     return app
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens)
     except RequestRejected as err:
@@ -337,7 +339,7 @@ async def _first_of(result: Awaitable[RequestOutput], cancel_if: Awaitable[None]
         raise APIError(503, str(err)) from None
 
 
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           log_level: str = "info") -> None:
     """Serve ``engine`` over HTTP with uvicorn until interrupted (Ctrl-C shuts the engine thread down)."""
     import uvicorn

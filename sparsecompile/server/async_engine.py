@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..runtime.outputs import RequestMetrics, RequestOutput, RequestRejected, SamplingParams
+from ..serving.interface import Engine
+from ..serving.outputs import RequestMetrics, RequestOutput, RequestRejected, SamplingParams
 from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class AsyncEngine:
         metrics: optional :class:`ServerMetrics` fed with per-request counts and latencies.
     """
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self._metrics = metrics
         self._inbox: list[_Add | _Abort | _Call] = []

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from ..runtime.outputs import SamplingParams
+from ..serving.outputs import SamplingParams
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparsecompile.models.hf_patch import patched_model
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # bf16 tolerances: outputs are bf16-rounded (8 bits of mantissa), accumulations are fp32.
@@ -93,4 +95,4 @@ def test_generate_with_cuda_graph_decode(dtype):
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
     # q/k/v and gate/up ran as one GEMM each (as_strided views of the shared buffers, under CUDA graphs)
-    assert model.__dict__["_sparsecompile"].controller.decode_backend.fused_groups == 2 * 3
+    assert patched_model(model).controller.decode_backend.fused_groups == 2 * 3

@@ -26,6 +26,8 @@ from collections import Counter
 import pytest
 import torch
 
+from sparsecompile.models.hf_patch import patched_model
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CHUNK = 64
@@ -90,7 +92,7 @@ def test_chunked_prefill_has_no_host_sync(method, options, evicts, lengths):
     config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).to("cuda", torch.bfloat16).eval()
     sparsecompile.optimize(model, method, compile=False, page_size=16, prefill_chunk_size=CHUNK, **options)
-    controller = model.__dict__["_sparsecompile"].controller
+    controller = patched_model(model).controller
     ids, mask = (t.cuda() for t in left_padded_batch(lengths))
     tokens = ids.shape[1]
     chunks = -(-tokens // CHUNK)

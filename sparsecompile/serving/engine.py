@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import nn
 
+from ..config import ServingConfig
+from ..models.hf_patch import patched_model
 from ..models.support import UnsupportedModelError
+from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestRejected, SamplingParams
 from .sampling import make_generator, sample
@@ -51,73 +53,48 @@ class _Live:
 
 
 class LLMEngine:
-    """See module docstring. Build it with :meth:`from_model` (``sparsecompile.LLM`` does)."""
+    """See module docstring. Built over a model patched by ``sparsecompile.optimize()`` (``sparsecompile.LLM``
+    does both)."""
 
-    def __init__(self, model: nn.Module, tokenizer, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None,
-                 kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
-                 cuda_graph_sizes: list[int] | None = None, model_name: str | None = None) -> None:
-        patched = model.__dict__.get("_sparsecompile")
-        if patched is None or getattr(patched, "controller", None) is None:
-            raise UnsupportedModelError("the serving engine needs a model patched by sparsecompile.optimize() with "
-                                        "cache access (models served through the SDPA-rewrite fallback are not)")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    def __init__(self, model: nn.Module, tokenizer, config: ServingConfig | None = None) -> None:
+        try:
+            patched = patched_model(model)
+        except ValueError as err:
+            raise UnsupportedModelError(f"the serving engine needs a model patched by sparsecompile.optimize(): "
+                                        f"{err}") from None
+        config = config or ServingConfig()
+        self.config = config
         self.model, self.tokenizer, self.patched = model, tokenizer, patched
         self.controller = c = patched.controller
         self.method = c.runtime.name
-        self.model_name = model_name or getattr(model.config, "_name_or_path", None) or "sparsecompile"
+        self.model_name = config.model_name or getattr(model.config, "_name_or_path", None) or "sparsecompile"
         limit = patched.max_length or 4096
-        self.max_model_len = min(max_model_len or limit, limit)
-        chunk = c.config.prefill_chunk_size or self.max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens or max(chunk, max_num_seqs)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        max_num_seqs = config.max_num_seqs
+        chunk = c.prefill_chunk or self.max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(chunk, max_num_seqs)
         self.device = c.layout.device
-        c.oracle.prefill_chunk = chunk
-        num_pages = c.config.num_pages or self._pages_from_memory(kv_cache_memory, max_num_seqs)
+        num_pages = c.config.num_pages or self._pages_from_memory(config, max_num_seqs)
         widest = math.ceil((self.max_model_len + 1) / c.layout.page_size)
         self.manager = c.build_pool(num_pages, max_num_seqs + 1, widest)  # +1: the decode padding row
         self.scheduler = Scheduler(c.oracle, num_pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=chunk,
                                    prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len)
-        sizes = cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
+        sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
-            import torch._dynamo.config as dynamo_config
-
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(self.graph_sizes) + 8)
+            allow_recompiles(2 * len(self.graph_sizes) + 8)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._live: dict[str, _Live] = {}
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
-    # ------------------------------------------------------------------ construction helpers
-    @classmethod
-    def from_model(cls, model: nn.Module, tokenizer, method: str = "vanilla", engine_args: dict[str, Any] | None = None,
-                   **options: Any) -> LLMEngine:
-        """``optimize(model, method, **options)`` then an engine over it (``engine_args``: this class's options)."""
-        from ..optimize import optimize
-
-        optimize(model, method=method, **options)
-        return cls(model, tokenizer, **(engine_args or {}))
-
-    def _pages_from_memory(self, kv_cache_memory: int | float | None, max_num_seqs: int) -> int:
+    def _pages_from_memory(self, config: ServingConfig, max_num_seqs: int) -> int:
         """Pages that fit the KV memory budget, capped by what ``max_num_seqs`` full-length requests could use."""
         c = self.controller
         probe = c.build_pool(1, 1, 1)  # registers the method's metadata, so its bytes count per page
         per_page = probe.bytes_per_page
-        if kv_cache_memory is None:
-            if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * _GPU_KV_FRACTION)
-            else:
-                budget = _CPU_KV_MEMORY
-        elif 0 < kv_cache_memory <= 1:
-            if self.device.type != "cuda":
-                raise ValueError("kv_cache_memory as a fraction needs a CUDA device; pass bytes on CPU")
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * kv_cache_memory)
-        elif kv_cache_memory > 1:
-            budget = int(kv_cache_memory)
-        else:
-            raise ValueError(f"kv_cache_memory must be bytes (> 1) or a fraction in (0, 1], got {kv_cache_memory}")
+        budget = kv_budget_bytes(config, self.device)
         useful = max_num_seqs * c.oracle.pages_for(c.oracle.peak_slots_per_layer(self.max_model_len, 0))
         pages = min(budget // per_page, useful)
         if pages < c.layout.num_layers:
@@ -257,6 +234,30 @@ class LLMEngine:
                                       d.delta(finished), new_ids)
         # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], finished, replace(r.metrics))
+
+
+def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
+    """Bytes the KV pool may take: ``kv_cache_memory`` (bytes, or a fraction of the free GPU memory), or
+    ``gpu_memory_utilization`` (vLLM's meaning: the process's share of the GPU's total memory, weights and
+    activations included), or the default (0.85 of free GPU memory; 1 GiB on CPU)."""
+    cuda = torch.device(device).type == "cuda"
+    mem, util = config.kv_cache_memory, config.gpu_memory_utilization
+    if util is not None:
+        if not cuda:
+            raise ValueError("gpu_memory_utilization needs a CUDA device; pass kv_cache_memory in bytes on CPU")
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * util) - (total - free)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV pool: the process already "
+                             f"uses {(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise it")
+        return budget
+    if mem is None:
+        return int(torch.cuda.mem_get_info(device)[0] * _GPU_KV_FRACTION) if cuda else _CPU_KV_MEMORY
+    if 0 < mem <= 1:
+        if not cuda:
+            raise ValueError("kv_cache_memory as a fraction needs a CUDA device; pass bytes on CPU")
+        return int(torch.cuda.mem_get_info(device)[0] * mem)
+    return int(mem)
 
 
 def _eos_ids(model: nn.Module, tokenizer) -> set[int]:

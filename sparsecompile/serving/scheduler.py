@@ -27,7 +27,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .memory_oracle import MemoryOracle
+from ..runtime.contract import PrefillMode
+from ..runtime.memory_oracle import MemoryOracle
 from .outputs import RequestMetrics, RequestRejected, SamplingParams
 
 
@@ -104,7 +105,8 @@ class Scheduler:
     """See module docstring. Host-only and model-free (the property tests drive it without a model)."""
 
     def __init__(self, oracle: MemoryOracle, num_pages: int, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int, prefill_mode: str, max_model_len: int, watermark: float = 0.01) -> None:
+                 prefill_chunk_size: int, prefill_mode: PrefillMode | str, max_model_len: int,
+                 watermark: float = 0.01) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs; got "
                              f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -113,9 +115,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size or max_num_batched_tokens
-        if prefill_mode not in ("chunked", "aligned", "whole"):
-            raise ValueError(f"unknown prefill_mode {prefill_mode!r}")
-        self.prefill_mode = prefill_mode
+        self.prefill_mode = PrefillMode(prefill_mode)
         self.max_model_len = max_model_len
         self.watermark = {name: int(total * watermark) for name, total in self.capacity.items()}
         self.reserved = dict.fromkeys(self.capacity, 0)
@@ -226,9 +226,9 @@ class Scheduler:
     def _chunk_size(self, request: Request, budget: int, first: bool = False) -> int:
         """Tokens of ``request``'s prompt to feed now (0: wait); ``first``: no other prefill in this step yet."""
         left = len(request.prefill_ids) - request.num_prefilled
-        if self.prefill_mode == "chunked":
+        if self.prefill_mode is PrefillMode.CHUNKED:
             return min(left, budget, self.prefill_chunk_size)
-        size = left if self.prefill_mode == "whole" else min(left, self.prefill_chunk_size)
+        size = left if self.prefill_mode is PrefillMode.WHOLE else min(left, self.prefill_chunk_size)
         return size if size <= budget or first else 0
 
     def _add_chunk(self, out: SchedulerOutput, request: Request, budget: int) -> int:

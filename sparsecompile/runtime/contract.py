@@ -1,62 +1,50 @@
-"""The method contract: a validated config dataclass plus a SparseMethodRuntime of lifecycle hooks.
+"""The method contract: what a sparse method implements (:class:`SparseMethod`) and what its hooks see.
 
 Lifecycle of one model forward (a prefill chunk or a decode step), driven by the SparseController::
 
-    host:   controller grows slot counts by the new tokens -> runtime.prepare_step -> CacheManager.flush
+    host:   controller grows slot counts by the new tokens -> method.prepare_step -> CacheManager.flush
     for each layer (device, traceable):
-            CacheManager.write(new K/V) -> runtime.build_{prefill,decode}_selection
-            -> CacheManager.build_view -> attention op -> runtime.on_attention_end -> runtime.on_layer_end
-    device: runtime.finish_step            (compaction, eviction: inside the compiled decode graph)
-    host:   runtime.commit_step            (slot counts after eviction; frees pages)
+            CacheManager.write(new K/V) -> method.build_{prefill,decode}_selection
+            -> CacheManager.build_view -> attention op -> method.on_attention_end -> method.on_layer_end
+    device: method.finish_step            (compaction, eviction: inside the compiled decode graph)
+    host:   method.commit_step            (slot counts after eviction; frees pages)
 
 Device hooks must not synchronise with the host (no ``.item()``, no data-dependent Python branches):
 in decode they run inside one compiled (and on CUDA, graph-replayed) step. Host hooks may.
+
+The contract lives in the KV core (floor 1) because the controller drives it; methods (floor 2) implement it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..runtime.memory_oracle import DenseMemoryOracle, MemoryOracle
-from ..runtime.view import Selection
+from ..config import MethodConfig
+from .memory_oracle import DenseMemoryOracle, MemoryOracle
+from .model_info import ModelInfo
+from .view import Selection
 
 if TYPE_CHECKING:
-    from ..models.support import ModelInfo
-    from ..runtime.cache_manager import CacheManager, KVLayout
-    from ..runtime.step import StepState
-    from ..runtime.view import AttentionView
+    from .cache_manager import CacheManager, KVLayout
+    from .step import StepState
+    from .view import AttentionView
 
 
-class MethodConfigError(ValueError):
-    """A method option is unknown or out of range; the message says what to change."""
+class PrefillMode(str, enum.Enum):
+    """How prompts are fed to a method (the scheduler and ``generate()`` follow it).
 
+    CHUNKED: chunks of any size. ALIGNED: chunks of exactly the engine's ``prefill_chunk_size`` (the last one
+    shorter), for methods whose result depends on where chunks end (H2O's chunk-wise eviction), so the serving
+    engine feeds the same chunks as ``generate()``. WHOLE: one forward per prompt.
+    """
 
-@dataclass
-class MethodConfig:
-    """Base of every method config; subclasses add fields and validate them in ``validate``."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise :class:`MethodConfigError` for out-of-range options."""
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def from_options(cls, method: str, options: dict[str, Any]) -> MethodConfig:
-        unknown = sorted(set(options) - set(cls.option_names()))
-        if unknown:
-            valid = ", ".join(cls.option_names()) or "(none)"
-            raise MethodConfigError(f"unknown option(s) {', '.join(unknown)} for method {method!r}; "
-                                    f"valid options: {valid}")
-        return cls(**options)
+    CHUNKED = "chunked"
+    ALIGNED = "aligned"
+    WHOLE = "whole"
 
 
 @dataclass
@@ -86,15 +74,13 @@ class LayerContext:
     view: AttentionView | None = None
 
 
-class SparseMethodRuntime:
+class SparseMethod:
     """Hooks of one method. The default implementation is dense attention over every resident slot."""
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
-    #: How the scheduler feeds prompts: "chunked" (chunks of any size), "aligned" (chunks of exactly the engine's
-    #: ``prefill_chunk_size``, when the method's result depends on where chunks end, like H2O's chunk-wise
-    #: eviction) or "whole" (one forward per prompt).
-    prefill_mode: ClassVar[str] = "chunked"
+    #: How the scheduler and ``generate()`` feed prompts (checked when the method registers).
+    prefill_mode: ClassVar[PrefillMode] = PrefillMode.CHUNKED
     #: False only for dense attention, which can also run through the SDPA-rewrite fallback (no cache access).
     needs_cache_access: ClassVar[bool] = True
     #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
@@ -120,7 +106,7 @@ class SparseMethodRuntime:
         """After the forward: shrink slot counts that ``finish_step`` evicted (host; frees pages)."""
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
-        """KV reached the pool without a prefill through this runtime (a KV import, a synthetic benchmark
+        """KV reached the pool without a prefill through this method (a KV import, a synthetic benchmark
         fill): rebuild method metadata and state from the resident slots (host; may run device ops)."""
 
     # ---- device hooks (traceable)

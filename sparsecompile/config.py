@@ -1,0 +1,226 @@
+"""Options, in one place: the engine, serving and method config dataclasses and the rules that route options.
+
+Every option a user can pass is a field of one of three kinds of dataclass:
+
+* :class:`EngineConfig`: how a patched model runs (pages, prefill chunks, compilation); ``optimize()`` takes it.
+* :class:`ServingConfig`: the serving runtime over it (batch size, token budget, KV memory); ``LLM`` and
+  ``sparsecompile serve`` take it as well.
+* one :class:`MethodConfig` subclass per sparse method (``methods/<name>.py``).
+
+``optimize``, ``LLM`` and the CLI derive what they accept from these fields (:func:`split_options`,
+:func:`add_arguments`), so an option is declared once, with its default and help text (:func:`option`).
+This module imports nothing of the package (floor 0): every floor may read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+OPTION_KINDS = ("engine", "serving", "method")
+
+
+class MethodConfigError(ValueError):
+    """An option is unknown or out of range; the message says what to change."""
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 (argparse's name)
+    """A dataclass field with its help text (read by the CLI and by error messages)."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MethodConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+@dataclass
+class EngineConfig:
+    """Engine options shared by ``optimize()`` and the serving runtime."""
+
+    page_size: int = option(16, "tokens per KV page (a power of two)")
+    prefill_chunk_size: int = option(2048, "prompt tokens per prefill forward (chunked prefill); 0 = whole prompt")
+    compile: bool | str = option("auto", "compile decode steps with torch.compile (auto: on CUDA only)")
+    cuda_graphs: bool | str = option("auto", "replay compiled decode steps as CUDA graphs (auto: when compiling "
+                                             "on CUDA)")
+    num_pages: int | None = option(None, "fixed KV pool size in pages (default: sized from the method's memory "
+                                         "oracle and grown on demand)")
+    show_progress: bool = option(False, "a progress bar over prefill chunks")
+    fuse_projections: bool = option(True, "compiled decode runs each layer's q/k/v and gate/up projections as one "
+                                          "GEMM per group")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1 \
+                or self.page_size & (self.page_size - 1):
+            raise MethodConfigError(f"page_size must be a positive power of two (an int), got {self.page_size!r}")
+        if isinstance(self.prefill_chunk_size, bool) or not isinstance(self.prefill_chunk_size, int) \
+                or self.prefill_chunk_size < 0:
+            raise MethodConfigError(f"prefill_chunk_size must be an int >= 0 (0 = whole prompt), "
+                                    f"got {self.prefill_chunk_size!r}")
+        for name in ("compile", "cuda_graphs"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise MethodConfigError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
+        _positive_int("num_pages", self.num_pages, allow_none=True)
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+@dataclass
+class ServingConfig:
+    """Options of the serving runtime (``sparsecompile.LLM``, ``sparsecompile serve``), vLLM's names."""
+
+    max_num_seqs: int = option(64, "most requests running at once (the decode batch)")
+    max_num_batched_tokens: int | None = option(None, "tokens per engine step, decode tokens plus prompt chunks "
+                                                      "(default: the prefill chunk)")
+    kv_cache_memory: float | None = option(None, "KV pool size: bytes, or a fraction of the GPU memory free after "
+                                                 "loading (default 0.85 on CUDA, 1 GiB on CPU)")
+    gpu_memory_utilization: float | None = option(None, "fraction of the GPU's total memory the process may use "
+                                                        "(weights, activations and KV pool), as vLLM counts it")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's maximum)")
+    cuda_graph_sizes: list[int] | None = option(None, "decode batch sizes compiled and graph-captured (default: "
+                                                      "powers of two up to max_num_seqs)")
+    model_name: str | None = option(None, "the model id clients send (default: the model path)")
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
+            raise MethodConfigError("pass kv_cache_memory or gpu_memory_utilization, not both")
+        mem = self.kv_cache_memory
+        if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
+            raise MethodConfigError(f"kv_cache_memory must be bytes (> 1) or a fraction in (0, 1], got {mem!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
+            raise MethodConfigError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
+        if self.cuda_graph_sizes is not None:
+            for size in self.cuda_graph_sizes:
+                _positive_int("every cuda_graph_sizes entry", size)
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+@dataclass
+class MethodConfig:
+    """Base of every method config; subclasses add fields (with :func:`option`) and check them in ``validate``."""
+
+    #: the method's name, used in messages
+    method: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`MethodConfigError` for out-of-range options."""
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return field_names(cls)
+
+    @classmethod
+    def from_options(cls, method: str, options: dict[str, Any]) -> MethodConfig:
+        unknown = sorted(set(options) - set(cls.option_names()))
+        if unknown:
+            valid = ", ".join(cls.option_names()) or "(none)"
+            raise MethodConfigError(f"unknown option(s) {', '.join(unknown)} for method {method!r}; "
+                                    f"valid options: {valid}")
+        return cls(**options)
+
+
+# ---------------------------------------------------------------------------------------------------- routing
+def split_options(options: dict[str, Any], method: str, method_options: Iterable[str],
+                  accepted: tuple[str, ...] = OPTION_KINDS,
+                  owners: Callable[[str], list[str]] | None = None) -> dict[str, dict[str, Any]]:
+    """Route ``options`` to ``{"engine": ..., "serving": ..., "method": ...}`` by the dataclass that declares each.
+
+    ``accepted`` names the kinds the caller takes (``optimize()`` takes no serving options); ``owners(name)``
+    lists the methods that declare an option (for the message when ``method`` does not). Raises
+    :class:`MethodConfigError` naming, for each refused option, which kind it was taken for and what to do.
+    """
+    kinds = {"engine": set(field_names(EngineConfig)), "serving": set(field_names(ServingConfig)),
+             "method": set(method_options)}
+    routed: dict[str, dict[str, Any]] = {kind: {} for kind in OPTION_KINDS}
+    problems = []
+    for name, value in options.items():
+        kind = next((k for k in OPTION_KINDS if name in kinds[k]), None)
+        if kind is None:
+            other = owners(name) if owners else []
+            if other:
+                problems.append(f"{name!r} is an option of method(s) {', '.join(other)}, not of {method!r}")
+            else:
+                problems.append(f"unknown option {name!r} (not an engine, serving or {method!r} method option)")
+        elif kind not in accepted:
+            problems.append(f"{name!r} is a {kind} option, which this call does not take (serving options go to "
+                            "sparsecompile.LLM or `sparsecompile serve`)")
+        else:
+            routed[kind][name] = value
+    if problems:
+        valid = "; ".join(f"{k}: {', '.join(sorted(kinds[k])) or '(none)'}" for k in accepted)
+        raise MethodConfigError("; ".join(problems) + f"; valid options: {valid}")
+    return routed
+
+
+# ---------------------------------------------------------------------------------------------------- CLI flags
+def _flag_type(hint: Any) -> tuple[Callable[[str], Any] | None, str | None]:
+    """An argparse type (and nargs) for a field's annotation: the first of int, float, bool, str it admits."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if any(typing.get_origin(a) is list for a in args):
+        return int, "+"
+    for kind in (bool, int, float, str):
+        if kind in args:
+            return (parse_bool if kind is bool else kind), None
+    return str, None
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_arguments(group: argparse._ActionsContainer, cls: type, *, skip: Iterable[str] = (),
+                  dest_prefix: str = "", seen: set[str] | None = None,
+                  types: dict[str, Callable[[str], Any]] | None = None) -> list[str]:
+    """Add one ``--flag-name`` per field of dataclass ``cls`` (help text and default from :func:`option`).
+
+    Flags default to None, so the caller passes on only what the user gave (the dataclass keeps its defaults).
+    ``seen`` collects flags already added (methods share option names: the first definition wins).
+    Returns the field names added.
+    """
+    hints = typing.get_type_hints(cls)
+    added = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in skip or (seen is not None and f.name in seen):
+            continue
+        kind, nargs = _flag_type(hints.get(f.name, str))
+        if types and f.name in types:
+            kind = types[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f.metadata.get("help", "")
+        if default is not None and "default" not in text:
+            text = f"{text} (default: {default})"
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"{dest_prefix}{f.name}", default=None, type=kind,
+                           nargs=nargs, metavar=f.name.upper(), help=text.replace("%", "%%"))
+        added.append(f.name)
+        if seen is not None:
+            seen.add(f.name)
+    return added
+
+
+def given(namespace: argparse.Namespace, names: Iterable[str], dest_prefix: str = "") -> dict[str, Any]:
+    """The options among ``names`` that the user set on the command line."""
+    values = {name: getattr(namespace, f"{dest_prefix}{name}", None) for name in names}
+    return {name: value for name, value in values.items() if value is not None}

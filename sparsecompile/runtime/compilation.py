@@ -1,0 +1,59 @@
+"""Compile settings, in one place: when decode steps compile, with which dynamo / inductor options, and how
+CUDA graphs are chosen.
+
+Everything that calls ``torch.compile`` or sets dynamo / inductor configuration goes through here (the decode
+step in the controller, the capture backend in ``passes/``, the SDPA-rewrite fallback, the serving engine's
+CUDA-graph batch sizes), so a new knob or a version workaround has one home.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def wanted(flag: bool | str, device: torch.device) -> bool:
+    """An ``EngineConfig.compile`` / ``cuda_graphs`` value resolved for ``device`` ("auto" = on CUDA)."""
+    return torch.device(device).type == "cuda" if flag == "auto" else bool(flag)
+
+
+def decode_compiled(compile_flag: bool | str, device: torch.device) -> bool:
+    return wanted(compile_flag, device)
+
+
+def decode_cuda_graphs(compile_flag: bool | str, graphs_flag: bool | str, device: torch.device) -> bool:
+    """CUDA graphs need a compiled step on a CUDA device."""
+    return decode_compiled(compile_flag, device) and wanted(graphs_flag, device) and torch.device(device).type == "cuda"
+
+
+def inductor_patches(*, cuda_graphs: bool, keep_order: bool) -> dict[str, Any]:
+    """Inductor options of a compiled decode step.
+
+    ``triton.cudagraphs``: what ``mode="reduce-overhead"`` does, with our own backend in front. ``keep_order`` turns
+    off ``reorder_for_locality``, which sinks nodes to just before their first user: it moved OmniKV's scoring of
+    the filter layer's keys past the next layer's kv_write, so that write could no longer happen in place and the
+    key pool was copied whole (32 GiB at 128K x 4) for the score to read the old version.
+    """
+    patches: dict[str, Any] = {"triton.cudagraphs": cuda_graphs}
+    if keep_order:
+        patches["reorder_for_locality"] = False
+    return patches
+
+
+def compile_step(fn: Callable, backend: Callable) -> Callable:
+    """Compile a decode step: one graph (``fullgraph``), static shapes (one graph per batch size)."""
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
+def compile_dynamic(fn: Callable, backend: Callable) -> Callable:
+    """Compile a whole-model forward with dynamic shapes (the SDPA-rewrite fallback)."""
+    return torch.compile(fn, backend=backend, dynamic=True)
+
+
+def allow_recompiles(graphs: int) -> None:
+    """Let dynamo keep ``graphs`` compiled variants of one function (one per CUDA-graph batch size)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs)

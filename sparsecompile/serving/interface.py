@@ -1,0 +1,35 @@
+"""The seam between the serving engine and whatever drives it (the OpenAI server, ``LLM``): the :class:`Engine`
+protocol. The server depends on this, never on :class:`~sparsecompile.serving.engine.LLMEngine` itself."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from .outputs import RequestOutput, SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A synchronous, single-threaded serving engine: requests in, :class:`RequestOutput` deltas out."""
+
+    model_name: str
+    method: str
+    max_model_len: int
+    tokenizer: Any
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ``RequestRejected`` with the reason when it can never be served."""
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free what it holds (unknown or finished ids are ignored)."""
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; the requests that changed."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> Any:
+        """A snapshot of counters and gauges (running, waiting, free pages, ...)."""
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered with the tokenizer's chat template."""
