@@ -136,8 +136,9 @@ SPLIT = {"block_n": 16, "target_programs": 64}
 
 
 def _prefill_case(device, window=0, queries=11):
-    """A chunk of ``queries`` queries at the end of a 40-token sequence laid out in page order (so whole query
-    tiles cannot see whole slot tiles and are skipped), one row shorter."""
+    """A chunk of ``queries`` queries at the end of a 40-token sequence whose pages hold positions in view order
+    (so some query tiles see none of a slot tile and are skipped); the second row's list is shorter and its
+    first two queries are padding."""
     g = torch.Generator().manual_seed(5)
     k = torch.randn(NUM_PAGES + 1, HEADS, PAGE, DIM, generator=g)
     pos = torch.full((NUM_PAGES + 1, HEADS, PAGE), -1, dtype=torch.int32)
