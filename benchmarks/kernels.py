@@ -1,9 +1,12 @@
 """Kernel microbenchmarks on CUDA: each sparsecompile kernel's achieved GB/s on the bytes it must read.
 
-    python benchmarks/kernels.py [--out benchmarks/results] [--sweep]
+    python benchmarks/kernels.py [--out benchmarks/results] [--sweep] [--quick] [--only attention|ops|mass]
 
 Decode attention at the benchmark grid's shapes, then every other op at the size the decode benchmark
-(Llama-3.1-8B shape, 128K x 4, budget 2048, page 16) or the 32K chunked prefill gives it.
+(Llama-3.1-8B shape, 128K x 4, budget 2048, page 16) or the 32K chunked prefill gives it, then the
+attention-mass ops (``mass_kernels.py``: H2O decode and prefill chunks, SnapKV, KVzip). ``--only`` runs one
+group and writes ``kernels_<group>.jsonl`` (the full run writes ``kernels.jsonl``); ``--sweep`` also times
+launch configurations; a short table is printed last.
 
 Times are medians of CUDA-graph replays cycling several inputs (so reads do not come from L2).
 """
@@ -19,14 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
+from mass_kernels import mass_rows  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
-from sparsecompile.kernels.h2o_scores import h2o_accumulate_triton  # noqa: E402
 from sparsecompile.kernels.kv_write import kv_write_triton  # noqa: E402
 from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from sparsecompile.kernels.quest_scores import page_minmax_update_triton, quest_page_scores_triton  # noqa: E402
-from sparsecompile.kernels.snapkv_scores import snapkv_scores_triton  # noqa: E402
 from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
 
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16
@@ -107,49 +109,32 @@ def op_rows(copies: int = 3) -> list[dict]:
     rows.append(_op_row("omnikv_scores", [(a[0][:, :, 0], a[1], a[4][:, 0], limit) for a in sets],
                         omnikv_scores_triton, batch * KV_HEADS * context * DIM * 2 / 1e6, batch=batch, context=context))
     del sets
-    # H2O's decode accumulation at budget 2048 (large batch: eviction methods run there), in place.
+    # KV write of one decode token per sequence (into a pool of 64 sequences x 2,048 tokens).
     big = 64
-    sets, info = decode_inputs(big, 2048, None, PAGE, copies=copies)
-    scores = [torch.zeros(a[1].shape[:3], device="cuda") for a in sets]
-    rows.append(_op_row("h2o_accumulate (decode)", [(sc, a[0], a[1], *a[3:]) for sc, a in zip(scores, sets)],
-                        h2o_accumulate_triton, big * KV_HEADS * 2048 * (DIM * 2 + 4 + 4) / 1e6, batch=big,
-                        budget=2048))
-    # KV write of one decode token per sequence.
+    sets, info = decode_inputs(big, 2048, None, PAGE, copies=1)
     k_pool, v_pool, pos_pool = sets[0][1], sets[0][2], sets[0][3]
     key = torch.randn(big, KV_HEADS, 1, DIM, device="cuda", dtype=bf16)
     value = torch.randn_like(key)
     slot = torch.randperm(k_pool.shape[0] * PAGE, device="cuda")[:big].view(big, 1)
     rows.append(_op_row("kv_write (decode)", [(k_pool, v_pool, pos_pool, key, value, slot, slot.clone())],
                         kv_write_triton, 0.0, batch=big))
-    del sets, scores
-    # SnapKV's window scoring at the last 2,048-token chunk of a 32K prefill: 32 window queries over 32K keys.
-    sets, info = decode_inputs(1, 32768, None, PAGE, copies=copies)
-    window = [(torch.randn(1, KV_HEADS * GROUP, 32, DIM, device="cuda", dtype=bf16), a[1], *a[3:6],
-               torch.full((1, 32), 10**6, device="cuda"), *a[7:]) for a in sets]
-    rows.append(_op_row("snapkv_scores (prefill, 32 window queries)", window, snapkv_scores_triton,
-                        32768 * KV_HEADS * (DIM * 2 + 4) / 1e6, context=32768))
+    del sets
     torch.cuda.empty_cache()
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    bw = measure_read_bandwidth()
-    print(json.dumps(bw))
+def attention_rows(bw: dict, sweep: bool, copies: int) -> list[dict]:
+    """Decode paged attention at the benchmark grid's shapes (with ``sweep``, the best configuration too)."""
     rows = []
     cases = [(1, 32768, None, 16), (16, 32768, None, 16), (4, 131072, None, 16), (4, 131072, 2048, 16),
              (4, 131072, 2048, 1), (16, 32768, 2048, 16), (64, 131072, 2048, 16)]
     configs = [None]
-    if args.sweep:
+    if sweep:
         configs += [{"block_n": bn, "num_warps": w, "num_stages": st, "target_programs": tp}
                     for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4) for tp in (264, 528)]
     for batch, context, selected, block in cases:
         best = None
-        sets, info = decode_inputs(batch, context, selected, block)
+        sets, info = decode_inputs(batch, context, selected, block, copies=copies)
         for config in configs:
             try:
                 row = bench_config(sets, info, config)
@@ -162,24 +147,63 @@ def main() -> None:
                 print(json.dumps(row))
             if best is None or row["GBps"] > best["GBps"]:
                 best = row
-        if args.sweep:
+        if sweep and best is not None:
             best["best_of_sweep"] = True
             rows.append(best)
             print(json.dumps(best))
         del sets
         torch.cuda.empty_cache()
-    try:
-        ops = op_rows()
-    except Exception as err:  # keep the attention rows if an op case fails
-        ops = [{"kernel": "ops", "error": f"{type(err).__name__}: {err}"[:500]}]
-    for row in ops:
-        if row.get("GBps"):
-            row["pct_of_bw"] = 100 * row["GBps"] / bw["best_GBps"]
-        rows.append(row)
-        print(json.dumps(row))
-    with open(os.path.join(args.out, "kernels.jsonl"), "w") as handle:
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'kernel':62s} {'us':>10s} {'MB read':>9s} {'% bw':>6s} {'TFLOP/s':>8s}  config"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r.get('kernel', '?'):62s} ERROR {r['error'][:100]}")
+        elif "us" in r:
+            tf = f"{r['TFLOPs_qk']:8.1f}" if r.get("TFLOPs_qk") else " " * 8
+            pct = f"{r['pct_of_bw']:6.1f}" if r.get("pct_of_bw") else " " * 6
+            cfg = "" if r.get("config", "default") == "default" else json.dumps(r["config"])[:60]
+            lines.append(f"{r['kernel'][:62]:62s} {r['us']:10.1f} {r['MB_read'] or 0:9.1f} {pct} {tf}  {cfg}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
+    parser.add_argument("--quick", action="store_true", help="two input copies and 10 replays per row")
+    parser.add_argument("--only", choices=("attention", "ops", "mass"), help="run one group of rows")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    copies, iters = (2, 10) if args.quick else (3, 20)
+    bw = measure_read_bandwidth()
+    print(json.dumps(bw))
+    rows = []
+    groups = [args.only] if args.only else ["attention", "ops", "mass"]
+    for group in groups:
+        try:
+            if group == "attention":
+                new = attention_rows(bw, args.sweep, copies)
+            elif group == "ops":
+                new = op_rows(copies)
+            else:
+                new = mass_rows(copies, iters, args.sweep)
+        except Exception as err:  # keep the other groups' rows if one fails
+            new = [{"kernel": group, "error": f"{type(err).__name__}: {err}"[:500]}]
+        for row in new:
+            if row.get("GBps") and "pct_of_bw" not in row:
+                row["pct_of_bw"] = 100 * row["GBps"] / bw["best_GBps"]
+            if group != "attention":
+                print(json.dumps(row))
+        rows += new
+    name = f"kernels_{args.only}.jsonl" if args.only else "kernels.jsonl"
+    with open(os.path.join(args.out, name), "w") as handle:
         for row in [{"bandwidth": bw}, *rows]:
             handle.write(json.dumps(row) + "\n")
+    print(f"bandwidth {bw['best_GBps']:.0f} GB/s")
+    print(_table(rows))
 
 
 if __name__ == "__main__":

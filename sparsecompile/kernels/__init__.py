@@ -1,8 +1,10 @@
 """Kernels: torch.library ops with a torch reference on CPU and a Triton kernel on CUDA."""
 
+from .attention_mass import attention_lse_reference
 from .dense_attention import dense_attention
-from .h2o_scores import h2o_accumulate, h2o_accumulate_reference
+from .h2o_scores import h2o_accumulate, h2o_accumulate_lse, h2o_accumulate_lse_reference, h2o_accumulate_reference
 from .kv_write import kv_write, kv_write_reference
+from .kvzip_scores import kvzip_scores, kvzip_scores_reference
 from .omnikv_scores import omnikv_scores, omnikv_scores_reference
 from .paged_attention import paged_attention, paged_attention_reference
 from .pool import gather_slots, view_slots, visibility
@@ -15,5 +17,6 @@ __all__ = [
     "view_slots", "visibility",
     "omnikv_scores", "omnikv_scores_reference", "page_minmax_update", "quest_page_scores",
     "quest_page_scores_reference", "topk_select", "topk_select_reference",
-    "h2o_accumulate", "h2o_accumulate_reference", "snapkv_scores", "snapkv_scores_reference",
+    "h2o_accumulate", "h2o_accumulate_reference", "h2o_accumulate_lse", "h2o_accumulate_lse_reference",
+    "attention_lse_reference", "kvzip_scores", "kvzip_scores_reference", "snapkv_scores", "snapkv_scores_reference",
 ]

@@ -1,11 +1,21 @@
-"""Attention mass: how much softmax probability each slot of an AttentionView receives from a set of queries.
+"""Attention mass: the softmax probability each slot of an AttentionView receives from a set of queries.
 
-Shared by the SnapKV window scoring op (``snapkv_scores``: per query head, summed over the window
-queries) and the H2O accumulation op (``h2o_accumulate``: averaged over a KV head's query group and
-added to a pool-shaped score buffer). Visibility is exactly :func:`paged_attention.visibility`: a
-query sees a slot iff it is inside the view's ``lengths``, holds a token, is not in the query's
-future and is inside the sliding window. Probabilities are always computed in fp32, whatever the
-pool dtype; a query that sees no slot contributes nothing.
+Shared by SnapKV's window scores (``snapkv_scores``: per query head, summed over the window queries),
+H2O's accumulation (``h2o_accumulate[_lse]``: averaged over a KV head's query group, added to a
+pool-shaped score buffer) and KVzip's scores (``kvzip_scores``: maximum over the group and the
+queries). Visibility is exactly :func:`paged_attention.visibility`: a query sees a slot iff it is
+inside the view's ``lengths``, holds a token, is not in the query's future and is inside the sliding
+window. Probabilities are computed in fp32 whatever the pool dtype; a query that sees no slot gives
+nothing.
+
+On CUDA the work is two kernels, neither with atomics:
+
+1. :func:`attention_lse_triton`: each query row's natural-log log-sum-exp over the slots it sees,
+   split over the slots (split-K) so that few queries over many keys still fill the GPU; the splits
+   are merged with ``torch.logsumexp``. H2O takes the lse from the attention and skips this pass.
+2. :func:`attention_mass_triton`: one program per (sequence, kv_head, slot tile) loads its keys once
+   and loops over the query rows, ``p = exp(scale * q.k - lse)``; every output element belongs to one
+   program, so it is written with a plain store (or read-add-write into the pool-shaped buffer).
 """
 
 from __future__ import annotations
@@ -20,13 +30,50 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-# Above this many fp32 probability elements the reference processes queries in blocks to bound memory.
+# Above this many fp32 logits the reference processes queries in blocks to bound memory.
 _REFERENCE_ELEMENTS = 1 << 24
+
+# Reductions over (group heads, queries) and where the result goes (constexprs of the mass kernel).
+SUM, MAX = 0, 1
+TO_POOL, TO_HEAD, TO_KV_HEAD = 0, 1, 2
+
+
+def _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    """Yield ``(start, stop, logits, mask)`` per block of queries, ``logits [batch, kv_heads, group, t, slots]`` fp32
+    (``-inf`` where invisible); the first item is ``(slots, valid)`` of the used view."""
+    batch, q_heads, queries, head_dim = query.shape
+    kv_heads = k_pool.shape[1]
+    slots, valid = used_view_slots(index, lengths, block_size)
+    yield slots, valid
+    keys_t = gather_slots(k_pool, slots).float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, dim, slots]
+    kpos = gather_slots(pos_pool, slots)
+    q = query.float().reshape(batch, kv_heads, q_heads // kv_heads, queries, head_dim)
+    step = max(1, _REFERENCE_ELEMENTS // max(1, batch * q_heads * slots.shape[-1]))
+    for start in range(0, queries, step):
+        stop = min(queries, start + step)
+        mask = visibility(kpos, valid, q_positions[:, start:stop], sliding_window)[:, :, None]
+        logits = (q[:, :, :, start:stop] @ keys_t).mul_(scale).masked_fill_(~mask, float("-inf"))
+        yield start, stop, logits, mask
+
+
+def attention_lse_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                            lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                            sliding_window: int) -> torch.Tensor:
+    """``[batch, q_heads, queries]`` fp32: log-sum-exp of each query's scaled logits over the slots it sees
+    (``-inf`` where it sees none). Arguments as :func:`attention_mass_reference`."""
+    batch, q_heads, queries, _ = query.shape
+    blocks = _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window)
+    next(blocks)
+    lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device)
+    for start, stop, logits, _ in blocks:
+        lse[:, :, start:stop] = torch.logsumexp(logits, -1).reshape(batch, q_heads, stop - start)
+    return lse
 
 
 def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
                              lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
-                             sliding_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             sliding_window: int, lse: torch.Tensor | None = None,
+                             reduce: int = SUM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference.
 
     Args:
@@ -34,127 +81,257 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
         k_pool: ``[num_pages, kv_heads, page_size, head_dim]``; pos_pool ``[num_pages, kv_heads, page_size]``.
         index, lengths: the view (see :func:`paged_attention.view_slots`).
         q_positions: ``[batch, queries]`` logical positions (-1: the query is padding and contributes nothing).
+        lse: ``[batch, q_heads, queries]`` each query's log-sum-exp (None: computed here, i.e. the softmax).
+        reduce: ``SUM`` or ``MAX`` over the queries.
     Returns:
-        ``mass [batch, q_heads, span]`` fp32 (the probability each of the first ``span`` view slots received,
-        summed over the queries), and the view's ``slots, valid [batch, kv_heads, span]``.
+        ``mass [batch, q_heads, span]`` fp32 (per query head, the probability each of the first ``span`` view
+        slots received, summed or maximised over the queries), and the view's ``slots, valid [batch, kv_heads, span]``.
     """
-    batch, q_heads, queries, head_dim = query.shape
+    batch, q_heads = query.shape[:2]
     kv_heads = k_pool.shape[1]
-    group = q_heads // kv_heads
-    slots, valid = used_view_slots(index, lengths, block_size)
-    keys_t = gather_slots(k_pool, slots).float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, dim, slots]
-    kpos = gather_slots(pos_pool, slots)
-    q = query.float().reshape(batch, kv_heads, group, queries, head_dim)
-    mass = torch.zeros(batch, kv_heads, group, 1, slots.shape[-1], dtype=torch.float32, device=query.device)
-    step = max(1, _REFERENCE_ELEMENTS // max(1, batch * q_heads * slots.shape[-1]))
-    for start in range(0, queries, step):
-        stop = min(queries, start + step)
-        mask = visibility(kpos, valid, q_positions[:, start:stop], sliding_window)  # [batch, kv_heads, t, slots]
-        logits = q[:, :, :, start:stop] @ keys_t
-        # A finite fill keeps rows without any visible slot NaN-free; `seen` then zeroes them.
-        logits.mul_(scale).masked_fill_(~mask[:, :, None], -1e30)
-        seen = mask.any(-1).float()[:, :, None, None, :]  # [batch, kv_heads, 1, 1, t]
-        mass += seen @ torch.softmax(logits, dim=-1)  # sum over the block's queries
+    blocks = _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window)
+    slots, valid = next(blocks)
+    mass = torch.zeros(batch, kv_heads, q_heads // kv_heads, slots.shape[-1], dtype=torch.float32,
+                       device=query.device)
+    for start, stop, logits, mask in blocks:
+        if lse is None:
+            norm = torch.logsumexp(logits, -1)
+        else:
+            norm = lse[:, :, start:stop].float().reshape(logits.shape[:-1])
+        # where(), not a product: a row that sees nothing has norm -inf and exp(-inf - -inf) = nan
+        p = torch.where(mask, torch.exp(logits - norm[..., None]), 0.0)
+        mass = mass + p.sum(3) if reduce == SUM else torch.maximum(mass, p.amax(3))
     return mass.reshape(batch, q_heads, -1), slots, valid
 
 
 if triton is not None:
+    _MAX = tl.constexpr(MAX)
+    _TO_POOL, _TO_HEAD, _TO_KV_HEAD = tl.constexpr(TO_POOL), tl.constexpr(TO_HEAD), tl.constexpr(TO_KV_HEAD)
 
     @triton.jit
-    def _score_tile(q, qpos, K, POS, INDEX, h, j, jmask, d, dmask, scale, window, KV_HEADS: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
-        """Scaled logits ``[rows, BLOCK_N]`` (fp32) of the view slots ``j`` of one (sequence, kv_head), their
-        visibility and pool rows; ``INDEX`` points at this list's entries."""
-        entry = tl.load(INDEX + j // BLOCK, mask=jmask, other=0)
-        slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-        base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-        k = tl.load(K + base[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-        kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
+    def _key_tile(K, POS, INDEX, h, start, length, d, dmask, KV_HEADS: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The view slots ``start + [0, BLOCK_N)`` of one (sequence, kv_head) list (``INDEX`` points at it):
+        keys ``[BLOCK_N, BLOCK_D]``, positions (-1 past ``length``), pool rows and the in-list mask."""
+        j = start + tl.arange(0, BLOCK_N)
+        jmask = j < length
+        if BLOCK == PAGE and BLOCK_N % PAGE == 0 and (PAGE & (PAGE - 1)) == 0:
+            # page view: one index load per page, PAGE contiguous slots each (start is page-aligned)
+            e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            page_ids = tl.load(INDEX + e, mask=e * PAGE < length, other=0)
+            first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
+            base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
+        else:
+            entry = tl.load(INDEX + j // BLOCK, mask=jmask, other=0)
+            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
+            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
+        row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
+        k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int32)  # int32 compares are cheaper than int64
+        return k, kpos, base, jmask
+
+    @triton.jit
+    def _log2_logits(q, k, kpos, qpos, c, window, IEEE: tl.constexpr):
+        """``[rows, BLOCK_N]`` fp32 logits in log2 units (``c = scale * log2(e)``) and their visibility."""
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = (s.to(tl.float32) * scale).to(tl.float32)
-        vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        vis = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
         if window > 0:
             vis = vis & (kpos[None, :] > qpos[:, None] - window)
-        return s, vis, base
+        return (s.to(tl.float32) * c).to(tl.float32), vis  # (a Python float arrives as fp64 under inductor)
 
     @triton.jit
-    def _attention_mass_kernel(Q, K, POS, INDEX, LENGTHS, QPOS, OUT,
-                               stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
-                               stride_pb, stride_ob, stride_oh, scale, weight, window, num_queries,
-                               KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-                               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                               PER_HEAD: tl.constexpr):
-        # One program: a block of (query, head-in-group) rows of one (sequence, kv_head). Pass 1 finds each
-        # row's softmax max and normaliser over every visible slot; pass 2 adds the probabilities per slot.
+    def _lse_kernel(Q, K, POS, INDEX, LENGTHS, QPOS, MID, stride_qb, stride_qh, stride_qt, stride_ib, stride_ih,
+                    stride_lb, stride_lh, stride_pb, c, window, num_queries,
+                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        """One program: BLOCK_M (query, head-in-group) rows of one (sequence, kv_head) over one split of its
+        slots (``c = scale * log2(e)``); writes their partial log-sum-exp to
+        ``MID [batch, q_heads, queries, NUM_SPLITS]``."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        split = tl.program_id(2)
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
         t = rows // GROUP
-        gi = rows % GROUP
+        qh = h * GROUP + rows % GROUP
         row_ok = t < num_queries
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
-        q = tl.load(Q + b * stride_qb + (h * GROUP + gi)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
-        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int64)
+        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
+        per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N  # page-aligned split bounds
+        lo = split * per_split
+        hi = tl.minimum(length, lo + per_split)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, length, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jmask = j < length
-            s, vis, _ = _score_tile(q, qpos, K, POS, INDEX + b * stride_ib + h * stride_ih, h, j, jmask, d, dmask,
-                                    scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
+        for start in range(lo, hi, BLOCK_N):
+            k, kpos, _, _ = _key_tile(K, POS, INDEX + b * stride_ib + h * stride_ih, h, start, hi, d, dmask,
+                                      KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+            s, vis = _log2_logits(q, k, kpos, qpos, c, window, IEEE)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
             m_i = m_new
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
-        for start in range(0, length, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jmask = j < length
-            s, vis, base = _score_tile(q, qpos, K, POS, INDEX + b * stride_ib + h * stride_ih, h, j, jmask, d, dmask,
-                                    scale, window, KV_HEADS, PAGE, BLOCK, HEAD_DIM, IEEE)
-            p = tl.where(vis, tl.exp(s - m_safe[:, None]) * inv[:, None], 0.0)
-            if PER_HEAD:  # OUT [batch, q_heads, width]: one column sum per head of the group
-                for g in tl.static_range(GROUP):
-                    col = tl.sum(tl.where((gi == g)[:, None], p, 0.0), 0)
-                    tl.atomic_add(OUT + b * stride_ob + (h * GROUP + g) * stride_oh + j, col, mask=jmask)
-            else:  # OUT: the pool-shaped score buffer [num_pages, kv_heads, page_size], weighted group sum
-                col = (tl.sum(p, 0) * weight).to(tl.float32)
-                tl.atomic_add(OUT + base, col, mask=jmask)
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(MID + ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split, lse, mask=row_ok)
+
+    @triton.jit
+    def _mass_kernel(Q, K, POS, INDEX, LENGTHS, QPOS, LSE, OUT, stride_qb, stride_qh, stride_qt, stride_ib,
+                     stride_ih, stride_lb, stride_lh, stride_pb, stride_eb, stride_eh, stride_et, stride_ob,
+                     stride_oh, c, weight, window, num_queries,
+                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr, REDUCE: tl.constexpr, TARGET: tl.constexpr, HEADS_OUT: tl.constexpr,
+                     SKIP: tl.constexpr):
+        """One program: BLOCK_N view slots of one (sequence, kv_head), their keys loaded once, every query row
+        looped over in BLOCK_M tiles (per head of the group for ``TARGET == TO_HEAD``, else all rows at once)."""
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // KV_HEADS
+        h = pid_bh % KV_HEADS
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
+        start = pid_n * BLOCK_N
+        k, kpos, base, jmask = _key_tile(K, POS, INDEX + b * stride_ib + h * stride_ih, h, start, length, d, dmask,
+                                         KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+        j = start + tl.arange(0, BLOCK_N)
+        kmin = tl.min(tl.where(kpos >= 0, kpos, 1 << 30), 0)
+        kmax = tl.max(kpos, 0)
+        if TARGET == _TO_HEAD:
+            rows_total = num_queries  # rows of one head (HEADS_OUT = GROUP)
+        else:
+            rows_total = num_queries * GROUP  # row = query * GROUP + head-in-group (HEADS_OUT = 1)
+        rows_total = tl.where(start < length, rows_total, 0)  # a tile past the list does nothing
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for g in tl.static_range(HEADS_OUT):
+            # reduced over the rows once at the end: a per-tile row reduction would cross warps every iteration
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for r0 in range(0, rows_total, BLOCK_M):
+                r = r0 + tl.arange(0, BLOCK_M)
+                row_ok = r < rows_total
+                if TARGET == _TO_HEAD:
+                    t = r
+                    qh = h * GROUP + g + r * 0
+                else:
+                    t = r // GROUP
+                    qh = h * GROUP + r % GROUP
+                qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+                live = True
+                if SKIP:  # can any query of this tile see any slot of the slot tile?
+                    qhi = tl.max(qpos, 0)
+                    qlo = tl.min(tl.where(qpos >= 0, qpos, 1 << 30), 0)
+                    live = (qhi >= kmin) & ((window <= 0) | (kmax > qlo - window))
+                if live:
+                    q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                                mask=row_ok[:, None] & dmask[None, :], other=0.0)
+                    lse = tl.load(LSE + b * stride_eb + qh * stride_eh + t * stride_et, mask=row_ok, other=0.0)
+                    s, vis = _log2_logits(q, k, kpos, qpos, c, window, IEEE)
+                    # where(), not a product: exp2 of an invisible logit can overflow
+                    p = tl.where(vis, tl.exp2(s - (lse * 1.4426950408889634)[:, None]), 0.0)
+                    if REDUCE == _MAX:
+                        acc = tl.maximum(acc, p)
+                    else:
+                        acc += p
+            if REDUCE == _MAX:
+                col = tl.max(acc, 0)
+            else:
+                col = tl.sum(acc, 0)
+            if TARGET == _TO_HEAD:
+                tl.store(OUT + b * stride_ob + (h * GROUP + g) * stride_oh + j, col, mask=jmask)
+            else:
+                total = col
+        if TARGET == _TO_KV_HEAD:
+            tl.store(OUT + b * stride_ob + h * stride_oh + j, total, mask=jmask)
+        if TARGET == _TO_POOL:
+            # each pool slot appears in one (sequence, kv_head) list once, so one program owns it
+            old = tl.load(OUT + base, mask=jmask, other=0.0)
+            total = (total * weight).to(tl.float32)
+            if REDUCE == _MAX:
+                new = tl.maximum(old, total)
+            else:
+                new = old + total
+            tl.store(OUT + base, new, mask=jmask)
+
+
+# Launch configurations (benchmarks/kernels.py --only mass --sweep times the alternatives on the H200);
+# the mass pass also takes "skip": False to test every query tile instead of skipping invisible ones.
+LSE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "target_programs": 528}
+MASS_DECODE_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 4, "num_stages": 2}
+MASS_PREFILL_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2}
+_MIN_PROGRAMS = 264  # two waves over the H200's 132 SMs
+_LOG2E = 1.4426950408889634  # the kernels work in exp2 / log2
+
+
+def attention_lse_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                         lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                         sliding_window: int, config: dict | None = None) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`attention_lse_reference` (``[batch, q_heads, queries]`` fp32)."""
+    batch, q_heads, queries, head_dim = query.shape
+    kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
+    group = q_heads // kv_heads
+    cfg = {**LSE_CONFIG, **(config or {})}
+    query, index, q_positions = launch_inputs(query, index, q_positions)
+    block_m = 16 if queries * group <= 16 else 64
+    m_blocks = triton.cdiv(queries * group, block_m)
+    programs = m_blocks * batch * kv_heads
+    span = index.shape[2] * block_size
+    splits = 1 if programs >= cfg["target_programs"] else max(1, min(triton.cdiv(cfg["target_programs"], programs),
+                                                                     triton.cdiv(span, cfg["block_n"])))
+    mid = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
+    _lse_kernel[(m_blocks, batch * kv_heads, splits)](
+        query, k_pool, pos_pool, index, lengths, q_positions, mid,
+        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
+        lengths.stride(0), lengths.stride(1), q_positions.stride(0), float(scale) * _LOG2E, int(sliding_window),
+        queries,
+        KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
+        NUM_SPLITS=splits, IEEE=query.dtype == torch.float32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return mid[..., 0] if splits == 1 else torch.logsumexp(mid, -1)
 
 
 def attention_mass_triton(out: torch.Tensor, query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor,
-                          index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int,
-                          scale: float, sliding_window: int, per_head: bool, weight: float = 1.0) -> None:
-    """Triton launch: add the attention mass to ``out`` in place.
+                          index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor, lse: torch.Tensor,
+                          block_size: int, scale: float, sliding_window: int, reduce: int, target: int,
+                          weight: float = 1.0, config: dict | None = None) -> None:
+    """Triton launch: reduce ``p = exp(scale * q.k - lse)`` over queries (and group heads) into ``out``.
 
-    ``per_head``: ``out [batch, q_heads, entries * block_size]`` fp32 (contiguous), indexed by view column.
-    Otherwise ``out`` is a pool-shaped ``[num_pages, kv_heads, page_size]`` fp32 buffer indexed by global
-    slot, receiving ``weight`` x the sum over the query group.
+    ``target``: ``TO_HEAD`` stores ``out [batch, q_heads, >= span]`` (per query head), ``TO_KV_HEAD`` stores
+    ``out [batch, kv_heads, >= span]`` (over the group too), both indexed by view column (last dim contiguous;
+    columns past ``lengths`` are left as they are); ``TO_POOL`` combines ``weight`` x the result into the
+    pool-shaped ``out [num_pages, kv_heads, page_size]`` (contiguous) at each view slot (add for ``SUM``).
+    ``lse``: ``[batch, q_heads, queries]`` fp32, any strides.
     """
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
     group = q_heads // kv_heads
     query, index, q_positions = launch_inputs(query, index, q_positions)
-    block_m = 16 if queries * group <= 16 else 64
-    grid = (triton.cdiv(queries * group, block_m), batch * kv_heads)
-    _attention_mass_kernel[grid](
-        query, k_pool, pos_pool, index, lengths, q_positions, out,
+    rows = queries if target == TO_HEAD else queries * group
+    cfg = {**(MASS_DECODE_CONFIG if rows <= 16 else MASS_PREFILL_CONFIG), **(config or {})}
+    block_m = min(cfg["block_m"], max(16, triton.next_power_of_2(rows)))
+    block_n = cfg["block_n"]
+    span = index.shape[2] * block_size
+    while block_n > 32 and batch * kv_heads * triton.cdiv(span, block_n) < _MIN_PROGRAMS:
+        block_n //= 2  # few long lists (one prompt): smaller slot tiles for more programs
+    _mass_kernel[(triton.cdiv(span, block_n), batch * kv_heads)](
+        query, k_pool, pos_pool, index, lengths, q_positions, lse, out,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
-        lengths.stride(0), lengths.stride(1), q_positions.stride(0),
-        out.stride(0) if per_head else 0, out.stride(1) if per_head else 0,
-        float(scale), float(weight), int(sliding_window), queries,
+        lengths.stride(0), lengths.stride(1), q_positions.stride(0), lse.stride(0), lse.stride(1), lse.stride(2),
+        out.stride(0) if target != TO_POOL else 0, out.stride(1) if target != TO_POOL else 0,
+        float(scale) * _LOG2E, float(weight), int(sliding_window), queries,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=32,
-        IEEE=query.dtype == torch.float32, PER_HEAD=per_head,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=query.dtype == torch.float32, REDUCE=reduce, TARGET=target,
+        HEADS_OUT=group if target == TO_HEAD else 1, SKIP=cfg.get("skip", True) and rows > block_m,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

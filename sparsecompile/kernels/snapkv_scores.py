@@ -3,14 +3,15 @@
 For each query head, the softmax probabilities (fp32) that the observation-window queries give to
 every slot of the view, summed over the window queries (SnapKV / KVCache-Factory sum; kvpress takes
 the mean, which ranks identically). Pooling, the GQA group average and the top-k live in the method
-(``methods/snapkv.py``): they are cheap and need the prompt layout.
+(``methods/snapkv.py``): they are cheap and need the prompt layout. On CUDA: the window queries' lse
+split over the slots, then the slot-tile-parallel mass pass (see :mod:`attention_mass`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention_mass import attention_mass_reference, attention_mass_triton, triton
+from .attention_mass import SUM, TO_HEAD, attention_lse_triton, attention_mass_reference, attention_mass_triton, triton
 from .library import define_op
 
 
@@ -39,12 +40,15 @@ def snapkv_scores_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool:
 
 def snapkv_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
                          lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
-                         sliding_window: int) -> torch.Tensor:
-    """Triton launch with the semantics of :func:`snapkv_scores_reference`."""
+                         sliding_window: int, lse_config: dict | None = None,
+                         mass_config: dict | None = None) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`snapkv_scores_reference` (configs: see :mod:`attention_mass`)."""
     batch, q_heads = query.shape[:2]
     out = torch.zeros(batch, q_heads, index.shape[-1] * block_size, dtype=torch.float32, device=query.device)
-    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                          sliding_window, per_head=True)
+    lse = attention_lse_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                               sliding_window, config=lse_config)
+    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, lse, block_size, scale,
+                          sliding_window, SUM, TO_HEAD, config=mass_config)
     return out
 
 
