@@ -32,6 +32,7 @@ _EXPORTS = {
     "SparseCache": "models.hf_cache",
     "UnsupportedModelError": "models.support",
     "available_methods": "methods",
+    "compress": "api",
     "kv_stats": "api",
     "optimize": "optimize",
     "restore": "optimize",
@@ -41,7 +42,7 @@ _EXPORTS = {
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
     "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
-    "available_methods", "kv_stats", "optimize", "restore", "retained_positions",
+    "available_methods", "compress", "kv_stats", "optimize", "restore", "retained_positions",
 ]
 
 
@@ -79,7 +80,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers see the eager imports
-    from .api import kv_stats, retained_positions
+    from .api import compress, kv_stats, retained_positions
     from .config import EngineConfig, MethodConfigError, ServingConfig
     from .llm import LLM
     from .methods import available_methods

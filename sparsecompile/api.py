@@ -45,3 +45,47 @@ def retained_positions(target: nn.Module | SparseCache, layer: int) -> list[list
     if not 0 <= layer < controller.layout.num_layers:
         raise ValueError(f"layer {layer} is out of range (0..{controller.layout.num_layers - 1})")
     return [controller.manager.retained_positions(row, layer) for row in rows]
+
+
+def compress(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             question_ids: torch.Tensor | None = None) -> SparseCache:
+    """Run a context through ``model``'s sparse method once and return its cache, to answer several questions.
+
+    ``input_ids [batch, context]`` (left-padded with ``attention_mask`` for batches) is prefilled as a prompt: an
+    eviction method compresses it (SnapKV scores with the context's last ``window`` tokens, as kvpress does without a
+    question). With ``question_ids [batch, q]`` the scoring is query-aware instead: the question is prefilled after
+    the context, so its queries form the observation window (and, for H2O, add their attention), then its own
+    entries are removed, so the cache again holds the context only. Either way, ask each question on a fork::
+
+        cache = sparsecompile.compress(model, context_ids)
+        for q in questions:
+            ids = torch.cat([context_ids, q], dim=1)
+            out = model.generate(ids, past_key_values=cache.fork(), max_new_tokens=64)
+
+    Query-agnostic (no ``question_ids``) is right when the questions are not known in advance or are many;
+    query-aware keeps what one known question needs and serves that question (or close ones) best.
+    """
+    patched = patched_model(model)
+    context = input_ids.shape[1]
+    ids, mask = input_ids, attention_mask
+    if question_ids is not None:
+        if question_ids.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"question_ids has {question_ids.shape[0]} rows for a batch of {input_ids.shape[0]}")
+        ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(question_ids.shape)], dim=1)
+    # generate() numbers positions by the padding mask; a later generate() on a fork continues from the same ones
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0) if mask is not None else None
+    cache = SparseCache(patched.controller)
+    try:
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, **{patched.cache_name: cache},
+              use_cache=True, logits_to_keep=1)
+        if question_ids is not None:
+            valid = (mask[:, :context].sum(1) if mask is not None
+                     else torch.full((ids.shape[0],), context)).tolist()
+            patched.controller.drop_positions(cache.rows, [int(v) for v in valid])  # positions count valid tokens
+            cache.processed = context
+    except BaseException:
+        cache.release()
+        raise
+    return cache

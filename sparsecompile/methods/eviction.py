@@ -30,6 +30,7 @@ from ..kernels import gather_slots
 from ..runtime.contract import SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import MemoryOracle
+from .read_stats import copy_rows
 
 if TYPE_CHECKING:
     from ..runtime.cache_manager import CacheManager, KVLayout
@@ -162,6 +163,7 @@ class EvictionRuntime(SparseMethod):
     """
 
     config: EvictionConfig
+    keeps_all_tokens = False
     #: evict after every prefill chunk (H2O), not only after the prompt's last one
     chunk_eviction: ClassVar[bool] = False
 
@@ -268,6 +270,15 @@ class EvictionRuntime(SparseMethod):
 
     def reset_rows(self, rows: list[int]) -> None:
         """Forget per-row method state of rows that start a new sequence (host)."""
+
+    def rewrites_resident(self, manager: CacheManager, step: StepState) -> np.ndarray:
+        return (self._targets < self._counts).any(axis=1)  # compaction or eviction moves resident slots
+
+    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        self._fit_rows(manager)
+        self._seen[forks] = self._seen[sources]
+        self._decode_budget[forks] = self._decode_budget[sources]
+        copy_rows([self._limits], sources, forks)
 
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         for i, layer in zip(*np.nonzero(self._targets < self._counts)):

@@ -90,6 +90,9 @@ class H2ORuntime(EvictionRuntime):
     def recent_tokens(self, budget: int) -> int:
         return self.config.recent if self.config.recent is not None else budget // 2
 
+    def rewrites_resident(self, manager: CacheManager, step: StepState) -> np.ndarray:
+        return np.ones(len(step.row_ids), dtype=bool)  # every step adds attention mass to every visible slot
+
     def setup(self, manager: CacheManager) -> None:
         super().setup(manager)
         manager.register_slot_metadata(SCORE, torch.float32, 0.0)

@@ -39,7 +39,7 @@ from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import Selection, SlotSelection
-from .read_stats import ReadCounter, grow_rows
+from .read_stats import ReadCounter, copy_rows, grow_rows
 from .registry import register_method
 
 if TYPE_CHECKING:
@@ -163,6 +163,18 @@ class OmniKVRuntime(SparseMethod):
         self._ensure_buffers(manager)
         self._set_prompt(manager, rows)
         self.count[to_device(rows, self.count.device)] = 0
+
+    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        self._ensure_buffers(manager)
+        copy_rows([self.prompt, self.count, self.selected], sources, forks)
+
+    def on_truncate(self, manager: CacheManager, rows: list[int]) -> None:
+        """Candidates past the new length are gone: clamp the prompt and let the next filter layer choose again."""
+        device = self.prompt.device
+        index = to_device(rows, device)
+        kept = to_device(manager.slot_count_array(rows)[:, 0], device)
+        self.prompt[index] = torch.minimum(self.prompt[index], kept)
+        self.count[index] = 0
 
     def _set_prompt(self, manager: CacheManager, rows: list[int]) -> None:
         """Prompt length of ``rows`` = their slots now (host-authoritative; every layer holds the same slots, as

@@ -128,7 +128,13 @@ class QuestRuntime(SparseMethod):
         manager.register_page_metadata(KMAX, shape, manager.layout.dtype)
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
-        """Rebuild the page summaries of loaded KV from the resident keys (host loop; one row and layer at a time)."""
+        self._rebuild_summaries(manager, rows)
+
+    def on_truncate(self, manager: CacheManager, rows: list[int]) -> None:
+        self._rebuild_summaries(manager, rows)  # the tail page's summary covered the removed keys
+
+    def _rebuild_summaries(self, manager: CacheManager, rows: list[int]) -> None:
+        """Page summaries of ``rows`` from the resident keys (host loop; one row and layer at a time)."""
         P = manager.layout.page_size
         kmin, kmax = manager.page_metadata[KMIN], manager.page_metadata[KMAX]
         counts = manager.slot_count_array(rows)

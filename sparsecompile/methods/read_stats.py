@@ -32,6 +32,14 @@ def grow_rows(buffer: torch.Tensor | None, rows: int, shape: tuple[int, ...], dt
     return fresh
 
 
+def copy_rows(buffers: list[torch.Tensor | None], sources: list[int], forks: list[int]) -> None:
+    """``buffer[forks[i]] = buffer[sources[i]]`` for per-row device buffers (a forked sequence's state)."""
+    for buffer in buffers:
+        if buffer is not None and sources:
+            device = buffer.device
+            buffer[torch.tensor(forks, device=device)] = buffer[torch.tensor(sources, device=device)]
+
+
 class ReadCounter:
     """Slots read per ``(sequence row, layer)`` in the row's last decode step (summed over KV heads)."""
 

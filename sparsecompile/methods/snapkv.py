@@ -86,6 +86,12 @@ class SnapKVRuntime(EvictionRuntime):
         for row in rows:
             self._windows.pop(row, None)
 
+    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        super().fork_rows(manager, sources, forks)
+        for source, fork in zip(sources, forks):  # a row forked mid-prompt keeps its observation window
+            if source in self._windows:
+                self._windows[fork] = tuple(t.clone() for t in self._windows[source])
+
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
         step, layer = ctx.step, ctx.layer
         if not step.is_prefill:

@@ -4,7 +4,9 @@ It is a handle, not storage: the KV lives in the controller's CacheManager, and 
 records which manager rows hold this batch and how many input columns were processed (HF's notion
 of sequence length, padding included). It is created lazily sized (rows are taken at the first
 forward, after ``generate()`` has expanded the batch) and frees its rows when released or garbage
-collected. Beam search, cropping and batch reordering are refused rather than silently wrong.
+collected. :meth:`SparseCache.fork` (also ``copy.deepcopy``) gives an independent cache sharing the pages
+copy-on-write; :meth:`SparseCache.crop` works where it is exact. Beam search and batch reordering are
+refused rather than silently wrong.
 """
 
 from __future__ import annotations
@@ -90,8 +92,36 @@ class SparseCache(Cache):
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("beam search is not supported with sparsecompile (use num_beams=1)")
 
+    def fork(self) -> SparseCache:
+        """An independent cache holding the same KV and method state (pages shared copy-on-write): generating from
+        either never changes the other. "Compress once, ask many questions": ``generate(past_key_values=
+        cache.fork(), ...)`` per question."""
+        other = SparseCache(self.controller, self.expected_new_tokens)
+        if self.rows:
+            other.rows.extend(self.controller.fork_rows(self.rows))
+        other.processed = self.processed
+        return other
+
+    def __deepcopy__(self, memo) -> SparseCache:
+        return self.fork()
+
+    def __copy__(self) -> SparseCache:
+        raise TypeError("a shallow copy would share this cache's sequences; use cache.fork() (or copy.deepcopy)")
+
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("cropping a sparsecompile cache is not supported (assisted decoding / rollback)")
+        """Keep the first ``max_length`` input columns (negative: drop that many from the end), as
+        ``DynamicCache.crop``. Exact for methods that keep every token (vanilla, quest, omnikv); eviction methods
+        are refused with the reason."""
+        keep = max_length if max_length >= 0 else self.processed + max_length
+        if keep >= self.processed or not self.rows:
+            return
+        keep = max(keep, 0)
+        m = self.controller.manager
+        counts = m.slot_count_array(self.rows)[:, 0]
+        # left padding never reaches the pool: row i holds processed - pad_i slots, so it keeps keep - pad_i
+        drop = self.processed - keep
+        self.controller.crop_rows(self.rows, [max(0, int(c) - drop) for c in counts])
+        self.processed = keep
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("expanding a sparsecompile cache's batch is not supported")

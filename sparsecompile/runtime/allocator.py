@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 
 class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free; nothing was allocated."""
@@ -12,16 +14,17 @@ class OutOfPages(RuntimeError):
 class BlockAllocator:
     """Hands out page ids ``0..num_pages-1`` with reference counts.
 
-    ``allocate`` returns pages with count 1; ``incref`` shares a page (prefix reuse); ``free``
-    decrements and returns a page to the free list when its count reaches zero. Every failure
-    raises before any state changes, so the allocator is never left half-updated.
+    ``allocate`` returns pages with count 1; ``incref`` shares a page (a forked sequence, a cached prefix
+    block); ``free`` decrements and returns a page to the free list when its count reaches zero. A page
+    with count > 1 is shared: whoever writes to it copies it first (``CacheManager`` copy-on-write).
+    Every failure raises before any state changes, so the allocator is never left half-updated.
     """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
-        self._refcount = [0] * num_pages
+        self._refcount = np.zeros(num_pages, dtype=np.int64)
         # Pop from the end: low page ids are handed out first, which keeps small runs compact.
         self._free = list(range(num_pages - 1, -1, -1))
 
@@ -37,12 +40,16 @@ class BlockAllocator:
         """Grow the pool to ``num_pages`` pages; the new ones are free."""
         if num_pages < self.num_pages:
             raise ValueError(f"cannot shrink the pool from {self.num_pages} to {num_pages} pages")
-        self._refcount.extend([0] * (num_pages - self.num_pages))
+        self._refcount = np.concatenate([self._refcount, np.zeros(num_pages - self.num_pages, dtype=np.int64)])
         self._free = list(range(num_pages - 1, self.num_pages - 1, -1)) + self._free
         self.num_pages = num_pages
 
     def refcount(self, page: int) -> int:
-        return self._refcount[page]
+        return int(self._refcount[page])
+
+    def refcounts(self, pages: np.ndarray) -> np.ndarray:
+        """Reference counts of ``pages`` (any int array shape), vectorised."""
+        return self._refcount[pages]
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free pages (count 1 each); raises :class:`OutOfPages` if fewer are free."""

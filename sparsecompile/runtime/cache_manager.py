@@ -4,7 +4,8 @@ Storage model
 -------------
 * One pool shared by every layer: ``k_pool, v_pool [num_pages, kv_heads, page_size, head_dim]`` and
   ``pos_pool [num_pages, kv_heads, page_size]`` (int32 logical position of the token in each slot,
-  -1 = empty). A page belongs to one ``(sequence row, layer)``.
+  -1 = empty). A page belongs to one ``(sequence row, layer)``, or is shared read-only by several
+  (forked sequences, cached prefix blocks: see ``page_sharing.py``, copy-on-write).
 * Each ``(row, layer)`` owns a list of pages (``block_table [max_seqs, layers, max_pages]``) and uses
   its first ``lengths[row, layer]`` *row-local slots*; slot ``i`` lives in page ``block_table[i // P]``
   at offset ``i % P``. All KV heads of a layer use the same number of slots, but every head keeps its
@@ -35,6 +36,7 @@ import torch
 from ..kernels import gather_slots, kv_write
 from .allocator import BlockAllocator, OutOfPages
 from .host import to_device
+from .page_sharing import SharedPages
 from .step import StepState
 from .view import AttentionView, PageSelection, Selection, SlotSelection
 
@@ -56,7 +58,7 @@ class KVLayout:
         return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
-class CacheManager:
+class CacheManager(SharedPages):
     """Owns the paged KV pool and every per-sequence map into it (see module docstring)."""
 
     def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
@@ -76,6 +78,7 @@ class CacheManager:
         self._dirty_rows: set[int] = set()
         self._dirty_lengths: set[int] = set()
         self._new_entries: list[tuple[int, int, int, int]] = []
+        self._init_sharing()
         self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
 
     @property
@@ -186,6 +189,7 @@ class CacheManager:
         self._host_lengths[row] = 0
         self._host_table[row] = 0
         self._live_rows.discard(row)
+        self._shared_rows.discard(row)
         self._free_rows.append(row)
         self._dirty_rows.add(row)
 
@@ -252,6 +256,7 @@ class CacheManager:
         buffers and non-blocking copies, so the host does not wait for the GPU's previous step.
         """
         dev = self.layout.device
+        self._run_copies()  # copy-on-write first: the tables below already point at the copies
         if self._dirty_rows:
             rows = np.array(sorted(self._dirty_rows), dtype=np.int64)
             self.block_table[to_device(rows, dev)] = to_device(self._host_table[rows], dev)
@@ -347,6 +352,15 @@ class CacheManager:
         moved = [gather_slots(pool, g_src) for pool in pools]  # read everything before writing
         for pool, values in zip(pools, moved):
             self.scatter_slots(pool, g_dst, values)
+
+    def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:
+        """Empty (position -1) the slots among the first ``count`` of ``(row, layer)`` whose token is at position
+        ``>= first``, in every head (host-driven edit of resident state; not for compiled steps)."""
+        rows = torch.tensor([row], device=self.layout.device)
+        slots, _ = self.resident_slot_ids(layer, rows, count)
+        per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
+        pos = gather_slots(self.pos_pool, per_head)
+        self.scatter_slots(self.pos_pool, torch.where(pos >= first, per_head, -1), torch.full_like(pos, -1))
 
     # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
     def retained_positions(self, row: int, layer: int) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from ..config import MethodConfig
@@ -86,6 +87,9 @@ class SparseMethod:
     #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
     #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
     reads_pool_across_layers: ClassVar[bool] = False
+    #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
+    #: and its full pages can be shared through the prefix cache.
+    keeps_all_tokens: ClassVar[bool] = True
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config
@@ -104,6 +108,19 @@ class SparseMethod:
 
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         """After the forward: shrink slot counts that ``finish_step`` evicted (host; frees pages)."""
+
+    def rewrites_resident(self, manager: CacheManager, step: StepState) -> np.ndarray:
+        """Host, after ``prepare_step``: ``[batch]`` bool, the rows whose resident slots this step writes (score
+        accumulation, eviction, compaction) and not only the new tokens' slots; shared pages of those rows are
+        copied first (copy-on-write: ``runtime/page_sharing.py``)."""
+        return np.zeros(len(step.row_ids), dtype=bool)
+
+    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        """``forks[i]`` now holds the pages of ``sources[i]``: copy per-row method state (host and device)."""
+
+    def on_truncate(self, manager: CacheManager, rows: list[int]) -> None:
+        """``rows`` were cropped to fewer slots (only for ``keeps_all_tokens`` methods): fix per-row state and
+        metadata that covered the removed slots."""
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         """KV reached the pool without a prefill through this method (a KV import, a synthetic benchmark

@@ -106,6 +106,61 @@ class SparseController:
         assert self.manager is not None, "reserve() first"
         return [self.manager.add_sequence() for _ in range(batch)]
 
+    def fork_rows(self, rows: list[int]) -> list[int]:
+        """New rows holding the same KV as ``rows`` (pages shared copy-on-write) and a copy of the method's per-row
+        state: writing to either never changes the other."""
+        if self.manager is None:
+            raise RuntimeError("nothing to fork: no sequence was prefilled yet")
+        m = self.manager
+        if len(m.live_rows) + len(rows) > m.max_seqs and self.config.num_pages is None:
+            m.grow(m.num_pages, _bucket(len(m.live_rows) + len(rows)), m.max_pages_per_seq)
+            self._decode_steps.clear()
+        forks = []
+        try:
+            for row in rows:
+                forks.append(m.fork_sequence(row))
+        except BaseException:
+            self.release_rows(forks)
+            raise
+        self.runtime.fork_rows(m, list(rows), forks)
+        return forks
+
+    def crop_rows(self, rows: list[int], counts: list[int]) -> None:
+        """Keep the first ``counts[i]`` slots of every layer of ``rows[i]`` (exact only when every token is
+        resident in order: ``keeps_all_tokens`` methods)."""
+        if not self.runtime.keeps_all_tokens:
+            raise ValueError(f"cannot crop a {self.runtime.name} cache: it evicts, so its slots no longer hold the "
+                             "tokens before a position in order (crop is exact for vanilla, quest and omnikv); "
+                             "fork() the cache before the step you want to undo instead")
+        m = self.manager
+        for row, count in zip(rows, counts):
+            for layer in range(self.layout.num_layers):
+                m.truncate(row, layer, min(count, int(m.slot_count_array([row])[0, layer])))
+        m.flush()
+        self.runtime.on_truncate(m, list(rows))
+
+    def drop_positions(self, rows: list[int], first: list[int]) -> None:
+        """Remove every resident token at logical position ``>= first[i]`` from ``rows[i]`` (host syncs: for API
+        calls such as ``compress(question_ids=...)``, not for steps). The removed tokens must be each list's newest
+        (true after a prefill: slots are in position order); a layer whose heads kept different numbers of them
+        keeps its slot count, the removed entries becoming empty slots (position -1, never attended)."""
+        m = self.manager
+        m.prepare_writes(list(rows), np.zeros((len(rows), self.layout.num_layers), dtype=np.int64))
+        m.flush()
+        for row, cut in zip(rows, first):
+            for layer in range(self.layout.num_layers):
+                positions = m.retained_positions(row, layer)
+                kept = [int((p < cut).sum()) for p in positions]
+                count = int(m.slot_count_array([row])[0, layer])
+                if len(set(kept)) == 1:
+                    m.truncate(row, layer, kept[0])
+                    continue
+                m.clear_positions(row, layer, count, cut)
+                m.truncate(row, layer, max(kept))
+        m.flush()
+        if self.runtime.keeps_all_tokens:
+            self.runtime.on_truncate(m, list(rows))
+
     def release_rows(self, rows: list[int]) -> None:
         if self.manager is None:
             return
@@ -114,10 +169,13 @@ class SparseController:
             if row in live:
                 self.manager.release_sequence(row)
 
-    def _make_room(self, step: StepState) -> None:
-        """Grow every layer's slot count by the step's new tokens (allocating pages; auto-grow the pool)."""
+    def _make_room(self, step: StepState) -> np.ndarray:
+        """Grow every layer's slot count by the step's new tokens (allocating pages; auto-grow the pool).
+
+        Returns the slot counts ``[batch, layers]`` before the step."""
         m = self.manager
-        counts = m.slot_count_array(step.row_ids) + np.asarray(step.num_new_host, dtype=np.int64)[:, None]
+        before = m.slot_count_array(step.row_ids)
+        counts = before + np.asarray(step.num_new_host, dtype=np.int64)[:, None]
         try:
             m.ensure_slots(step.row_ids, counts)
         except OutOfPages:
@@ -128,6 +186,7 @@ class SparseController:
             m.grow(_bucket(m.allocator.num_used + need), m.max_seqs, _bucket(widest))
             self._decode_steps.clear()
             m.ensure_slots(step.row_ids, counts)
+        return before
 
     # ------------------------------------------------------------------ the per-layer path (device)
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -164,9 +223,18 @@ class SparseController:
         return logits
 
     def _begin(self, step: StepState) -> None:
-        self._make_room(step)
-        self.runtime.prepare_step(self.manager, step)
-        self.manager.flush()
+        m = self.manager
+        before = self._make_room(step)
+        self.runtime.prepare_step(m, step)
+        if m.has_shared_rows(step.row_ids):  # copy-on-write: the pages this step writes must be the row's own
+            rewrites = self.runtime.rewrites_resident(m, step)
+            from_slots = np.where(rewrites[:, None], 0, before)
+            short = m.pages_to_copy(step.row_ids, from_slots) - m.allocator.num_free
+            if short > 0 and self.config.num_pages is None:
+                m.grow(_bucket(m.num_pages + short), m.max_seqs, m.max_pages_per_seq)
+                self._decode_steps.clear()
+            m.prepare_writes(step.row_ids, from_slots)
+        m.flush()
 
     def _end(self, step: StepState) -> None:
         self.runtime.commit_step(self.manager, step)
