@@ -201,3 +201,26 @@ def test_smollm2_32_mixed_prompts_equal_per_prompt_generate(smollm2_path, method
                                   eos_token_id=None, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == expected, prompt[:60]
         assert out.outputs[0].text == tok.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("method,options", [("snapkv", {"budget": 16, "window": 4}), ("h2o", {"budget": 16}),
+                                            ("streamingllm", {"budget": 16, "sinks": 2}),
+                                            ("pyramidkv", {"budget": 16, "window": 4})])
+def test_batched_prefill_of_compressing_methods_equals_generate(method, options):
+    """Several prompts' chunks share one forward (rows end their prompts at different steps): what each keeps and
+    generates equals its own optimize() + generate()."""
+    reference, llm = tiny_llm(method, max_num_batched_tokens=64, **options)
+    sparsecompile.optimize(reference, method, page_size=4, prefill_chunk_size=16, **options)
+    prompts = prompts_of(LENGTHS)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+
+
+def test_a_burst_of_prompts_is_prefilled_in_few_forwards(monkeypatch):
+    _, llm = tiny_llm(max_num_seqs=8, max_num_batched_tokens=256)
+    controller = llm.llm_engine.controller
+    calls = []
+    original = controller.prefill
+    monkeypatch.setattr(controller, "prefill", lambda *a, **k: calls.append(len(a[1])) or original(*a, **k))
+    llm.generate(prompts_of((12, 14, 13, 15, 11, 12, 16, 10)), GREEDY, use_tqdm=False)
+    assert calls[0] == 8 and len(calls) == 1  # all eight prompts in the first step's single prefill forward

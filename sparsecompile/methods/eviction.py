@@ -107,10 +107,11 @@ def select_keep(scores: torch.Tensor, keep: torch.Tensor, k_max: int) -> torch.T
     """Per ``(row, head)``, the ``keep [batch]`` best slots of ``scores [batch, kv_heads, width]``, ascending.
 
     Protected slots carry +inf, slots to drop for sure -inf. Returns ``[batch, kv_heads, k_max]`` row-local
-    slots, -1 past each row's ``keep``.
+    slots, -1 past each row's ``keep``. Equal scores (common after max pooling) keep the lower slot: a stable sort,
+    so the kept set does not depend on how wide the batch's score tensor is (``topk``'s tie order does).
     """
     width = scores.shape[-1]
-    top = scores.topk(k_max, dim=-1).indices
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
     ranked = torch.arange(k_max, device=scores.device) < keep[:, None, None]
     idx = torch.where(ranked, top, width).sort(dim=-1).values
     return torch.where(idx < width, idx, -1)
@@ -215,10 +216,11 @@ class EvictionRuntime(SparseMethod):
         """Slot counts ``[batch, layers]`` after this step's eviction, from the counts before it."""
         rows = step.row_ids
         if step.is_prefill:
-            if not (step.is_last_chunk or self.chunk_eviction):
+            evicting = np.asarray(step.ends_prompt) | self.chunk_eviction
+            if not evicting.any():
                 return counts
             budgets = np.array([self.layer_budgets(int(self._seen[r])) for r in rows], dtype=np.int64)
-            return np.minimum(counts, budgets.reshape(counts.shape))
+            return np.where(evicting[:, None], np.minimum(counts, budgets.reshape(counts.shape)), counts)
         if not self.decode_interval:
             return counts
         budget = self._decode_budget[rows][:, None]
@@ -284,7 +286,7 @@ class EvictionRuntime(SparseMethod):
         for i, layer in zip(*np.nonzero(self._targets < self._counts)):
             manager.truncate(step.row_ids[i], int(layer), int(self._targets[i, layer]))
         if step.is_prefill and step.is_last_chunk:
-            self._prompt_done(step.row_ids)
+            self._prompt_done([r for r, done in zip(step.row_ids, step.ends_prompt) if done])
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         """Loaded KV counts as a compacted prompt of ``prompt_lengths`` tokens (it must fit the budgets)."""

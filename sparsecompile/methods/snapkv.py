@@ -144,5 +144,5 @@ class SnapKVRuntime(EvictionRuntime):
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         super().commit_step(manager, step)
         if step.is_prefill and step.is_last_chunk:
-            self.reset_rows(step.row_ids)
+            self.reset_rows([r for r, done in zip(step.row_ids, step.ends_prompt) if done])
             self._pending.clear()

@@ -242,12 +242,15 @@ class SparseController:
     @torch.no_grad()
     def prefill(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor | None,
                 inputs_embeds: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor,
-                logits_to_keep: int, progress: Callable[[int], None] | None = None, final: bool = True) -> torch.Tensor:
+                logits_to_keep: int, progress: Callable[[int], None] | None = None,
+                final: bool | list[bool] = True) -> torch.Tensor:
         """Run prompt tokens ``[batch, tokens]`` in chunks; returns ``inner``'s logits for the kept positions.
 
-        ``final=False``: more prompt tokens follow in a later call (the serving scheduler feeds a prompt in chunks
-        across engine steps), so the last chunk here does not end the prompt.
+        ``final`` (per row, or one for all): False when more prompt tokens of that row follow in a later call (the
+        serving scheduler feeds a prompt in chunks across engine steps, several prompts' chunks in one forward), so
+        the last chunk here does not end its prompt.
         """
+        finals = list(final) if isinstance(final, (list, tuple)) else [bool(final)] * len(rows)
         tokens = positions.shape[1]
         chunk = self.prefill_chunk or tokens
         outputs = []
@@ -255,7 +258,7 @@ class SparseController:
             stop = min(tokens, start + chunk)
             last = stop == tokens
             step = StepState.build(rows, valid[:, start:stop], positions[:, start:stop], is_prefill=True,
-                                   is_last_chunk=last and final, device=self.layout.device)
+                                   is_last_chunk=[last and f for f in finals], device=self.layout.device)
             keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
             self._begin(step)
             logits = self._run(inner, step, input_ids=None if input_ids is None else input_ids[:, start:stop],

@@ -20,7 +20,9 @@ class StepState:
 
     Host fields (static for a compiled graph):
         is_prefill: prompt tokens (True) or one decode token per row (False).
-        is_last_chunk: this forward ends the prompt (SnapKV compacts after it).
+        ends_prompt: per row, this forward ends the row's prompt (SnapKV compacts after it); the serving engine
+            batches the chunks of several prompts in one forward, so rows differ.
+        is_last_chunk: some row's prompt ends here.
         row_ids / num_new_host: host copies of ``rows`` and ``num_new``.
     """
 
@@ -29,9 +31,13 @@ class StepState:
     new_offsets: torch.Tensor
     num_new: torch.Tensor
     is_prefill: bool
-    is_last_chunk: bool
+    ends_prompt: list[bool]
     row_ids: list[int]
     num_new_host: list[int]
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return any(self.ends_prompt)
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +45,7 @@ class StepState:
 
     @staticmethod
     def build(rows: list[int], valid: torch.Tensor, positions: torch.Tensor, *, is_prefill: bool,
-              is_last_chunk: bool, device: torch.device) -> StepState:
+              is_last_chunk: bool | list[bool], device: torch.device) -> StepState:
         """Build from host data: ``valid [batch, tokens]`` bool and ``positions [batch, tokens]`` (any device)."""
         valid = valid.to("cpu", torch.bool)
         positions = positions.to("cpu", torch.int64)
@@ -51,7 +57,7 @@ class StepState:
             new_offsets=offsets.to(device, non_blocking=True),
             num_new=num_new.to(device, non_blocking=True),
             is_prefill=is_prefill,
-            is_last_chunk=is_last_chunk,
+            ends_prompt=list(is_last_chunk) if isinstance(is_last_chunk, list) else [bool(is_last_chunk)] * len(rows),
             row_ids=list(rows),
             num_new_host=num_new.tolist(),
         )

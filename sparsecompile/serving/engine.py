@@ -157,10 +157,8 @@ class LLMEngine:
         changed: list[_Live] = []
         if plan.decode:
             changed += self._run_decode(plan.decode)
-        for chunk in plan.prefill:
-            live = self._run_chunk(chunk)
-            if live is not None:
-                changed.append(live)
+        if plan.prefill:
+            changed += self._run_prefill(plan.prefill)
         if plan.decode or plan.prefill:
             self._counters["steps"] += 1
         outputs += [self._output(live) for live in changed]
@@ -178,22 +176,42 @@ class LLMEngine:
             self.scheduler.decode_done(r)
         return self._sample([self._live[r.request_id] for r in requests], logits[:, -1])
 
-    def _run_chunk(self, chunk: PrefillChunk) -> _Live | None:
-        r = chunk.request
-        if r.row is None:
-            r.row = self.controller.add_sequences(1)[0]
-            if r.metrics.first_scheduled_time is None:
-                r.metrics.first_scheduled_time = time.monotonic()
-        ids = torch.tensor([r.prefill_ids[chunk.start:chunk.stop]], device=self.device)
-        positions = torch.arange(chunk.start, chunk.stop, device=self.device)[None, :]
-        valid = torch.ones(1, chunk.stop - chunk.start, dtype=torch.bool)
-        logits = self.controller.prefill(self.patched.inner, [r.row], ids, None, positions, valid, 1,
-                                         final=chunk.final)
-        self._counters["prompt_tokens"] += chunk.stop - chunk.start
-        self.scheduler.chunk_done(chunk)
-        if not chunk.final:
-            return None
-        return self._sample([self._live[r.request_id]], logits[:, -1])[0]
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> list[_Live]:
+        """Every prompt chunk of the step, batched: one forward per group of similar lengths (left-padded), each
+        group's padded tokens within ``max_num_batched_tokens``, so a burst of new prompts costs a few forwards,
+        not one per prompt. Returns the requests whose prompt ended (one token sampled each)."""
+        changed: list[_Live] = []
+        for group in pack_chunks(chunks, self.max_num_batched_tokens):
+            changed += self._run_group(group)
+        return changed
+
+    def _run_group(self, group: list[PrefillChunk]) -> list[_Live]:
+        now = time.monotonic()
+        for chunk in group:
+            r = chunk.request
+            if r.row is None:
+                r.row = self.controller.add_sequences(1)[0]
+                r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
+        width = max(c.stop - c.start for c in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        positions = torch.zeros(len(group), width, dtype=torch.long)
+        valid = torch.zeros(len(group), width, dtype=torch.bool)
+        for i, c in enumerate(group):
+            n = c.stop - c.start
+            ids[i, width - n:] = torch.tensor(c.request.prefill_ids[c.start:c.stop])
+            positions[i, width - n:] = torch.arange(c.start, c.stop)
+            valid[i, width - n:] = True
+        logits = self.controller.prefill(self.patched.inner, [c.request.row for c in group],
+                                         ids.to(self.device, non_blocking=True), None,
+                                         positions.to(self.device, non_blocking=True), valid, 1,
+                                         final=[c.final for c in group])
+        for c in group:
+            self._counters["prompt_tokens"] += c.stop - c.start
+            self.scheduler.chunk_done(c)
+        done = [i for i, c in enumerate(group) if c.final]
+        if not done:
+            return []
+        return self._sample([self._live[group[i].request.request_id] for i in done], logits[done, -1])
 
     def _sample(self, lives: list[_Live], logits: torch.Tensor) -> list[_Live]:
         """Sample one token per request from ``logits [batch, vocab]``; apply stop conditions."""
@@ -234,6 +252,19 @@ class LLMEngine:
                                       d.delta(finished), new_ids)
         # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], finished, replace(r.metrics))
+
+
+def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[PrefillChunk]]:
+    """Group prompt chunks into padded batches: longest first, a group taking the next chunk while its padded size
+    (members x longest) stays within ``max_tokens`` (a single chunk may exceed it). Order inside the step does not
+    matter: each chunk belongs to a different request."""
+    groups: list[list[PrefillChunk]] = []
+    for chunk in sorted(chunks, key=lambda c: c.stop - c.start, reverse=True):
+        if groups and (len(groups[-1]) + 1) * (groups[-1][0].stop - groups[-1][0].start) <= max_tokens:
+            groups[-1].append(chunk)
+        else:
+            groups.append([chunk])
+    return groups
 
 
 def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
