@@ -61,7 +61,7 @@ def _assert_matches(got, want, atol=1e-5, rtol=1e-5):
 
 CASES = {
     # chunk boundaries off the pages, batch 2 with left padding (row 1: 4 padding queries)
-    "padded": dict(prefix=[13, 6], new=[7, 3]),
+    "padded": dict(prefix=[13, 10], new=[7, 4]),  # row 1: a query tile mixes padding and real queries
     "window": dict(prefix=[13, 6], new=[7, 3], window=5),
     "evicted": dict(prefix=[14, 9], new=[5, 5], evict=True, holes=0.25),  # per-head positions, random order, holes
     "whole_prompt": dict(prefix=[0, 0], new=[9, 6]),

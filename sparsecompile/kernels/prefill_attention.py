@@ -99,6 +99,38 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _tile(K, V, POS, INDEX, start, hi, h, d, dmask, KV_HEADS: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys, values and positions of list slots ``[start, start + BLOCK_N)`` (-1 past ``hi``)."""
+        j = start + tl.arange(0, BLOCK_N)
+        jmask = j < hi
+        if BLOCK == PAGE and BLOCK_N % PAGE == 0:
+            e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # one index load per page (start is page-aligned)
+            page_ids = tl.load(INDEX + e, mask=e * PAGE < hi, other=0)
+            first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
+            base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
+        else:
+            entry = tl.load(INDEX + j // BLOCK, mask=jmask, other=0)
+            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
+            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
+        row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
+        k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(V + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        kpos = tl.load(POS + base, mask=jmask, other=-1)
+        return k, v, kpos
+
+    @triton.jit
+    def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+        """Fold one tile of base-2 logits ``s`` (-inf = masked) and its values into the running state."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay NaN-free
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _prefill_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, NUM_NEW, OUT, LSE,
                         stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh, stride_pb,
                         stride_ob, stride_ot, stride_oh,
@@ -106,7 +138,13 @@ if triton is not None:
                         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL_SKIP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
-        """One program: BLOCK_M rows (row = query * GROUP + head-in-group) of one (sequence, kv_head)."""
+        """One program: BLOCK_M rows (row = query * GROUP + head-in-group) of one (sequence, kv_head).
+
+        With CAUSAL_SKIP (page views, the module's contract) the list is read in two loops: whole tiles of the
+        prefix, visible to every real query (only empty slots are masked, by a per-column bias folded into the
+        scale's multiply), then the rest up to the causal bound of the tile's last query with the full position
+        test. Padding queries are zeroed at the end. Otherwise (windows, slot lists) one loop with the full test.
+        """
         pid_bh = tl.program_id(0)
         m_block = num_m_blocks - 1 - tl.program_id(1)  # the latest queries (most keys) start first
         b = pid_bh // KV_HEADS
@@ -122,48 +160,36 @@ if triton is not None:
         qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
         qk_scale = tl.cast(scale, tl.float32) * 1.4426950408889634  # exp2 softmax; inductor passes floats as fp64
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh).to(tl.int32)
+        index = INDEX + b * stride_ib + h * stride_ih
         hi = length
+        split = 0
         if CAUSAL_SKIP:
             # new slots sit at the end in position order: query new-offset o sees slots < prefix + o + 1
             num_new = tl.load(NUM_NEW + b).to(tl.int32)
             last_t = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, num_queries - 1)
             last_offset = last_t - (num_queries - num_new)
             hi = tl.where(last_offset >= 0, tl.minimum(length, length - num_new + last_offset + 1), 0)
+            if not HAS_WINDOW:
+                split = tl.minimum((length - num_new) // BLOCK_N * BLOCK_N, hi)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, hi, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jmask = j < hi
-            if BLOCK == PAGE and BLOCK_N % PAGE == 0:
-                e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # one index load per page
-                page_ids = tl.load(INDEX + b * stride_ib + h * stride_ih + e, mask=e * PAGE < hi, other=0)
-                first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
-                base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
-            else:
-                entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
-                slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-                base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-            row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
-            k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(V + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            kpos = tl.load(POS + base, mask=jmask, other=-1)
+        for start in range(0, split, BLOCK_N):
+            k, v, kpos = _tile(K, V, POS, index, start, hi, h, d, dmask, KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+            bias = tl.where(kpos >= 0, 0.0, float("-inf"))
+            s = _dot(q, tl.trans(k), IEEE) * qk_scale + bias[None, :]
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        for start in range(split, hi, BLOCK_N):
+            k, v, kpos = _tile(K, V, POS, index, start, hi, h, d, dmask, KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
             kpos = tl.where(kpos >= 0, kpos, 2147483647)  # empty or outside the list: after every query
-            s = _dot(q, tl.trans(k.to(q.dtype)), IEEE)
             vis = kpos[None, :] <= qpos[:, None]
             if HAS_WINDOW:
                 vis = vis & (kpos[None, :] > qpos[:, None] - window)
-            s = tl.where(vis, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay NaN-free
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), IEEE)
-            m_i = m_new
-        seen = l_i > 0.0
+            s = tl.where(vis, _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        seen = (l_i > 0.0) & (qpos >= 0)
         l_safe = tl.where(seen, l_i, 1.0)
-        out = acc / l_safe[:, None]
+        out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
         tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
