@@ -19,10 +19,11 @@ CUDA implementations, chosen by :data:`CUDA_IMPL` (the benchmark ``benchmarks/pr
   runs flash attention (lower-right causal, native GQA, log-sum-exp). Only valid when every row reads ``N``
   slots, has no padding, no window and no empty slot before its new tokens; it checks this on the device and
   reads the verdict and ``N`` with **one host sync per call**, then falls back to the Triton kernel if invalid.
-  Static fallbacks (no sync): a window, a slot-list view, fp32, a CPU tensor.
+  Static fallbacks (no sync): a window, a slot-list view, fp32. A caller that knows the answer from host state
+  passes ``known_length`` and nothing syncs.
 * ``"flex"`` (:func:`prefill_attention_flex`): gathers the whole view capacity (``index.shape[-1] * block_size``
   slots, no sync) and runs FlexAttention with a position ``mask_mod`` and a block mask built on the device; exact
-  in every case (padding, holes, windows), compiled once per shape.
+  in every case (padding, holes, windows). Compiled by dynamo (dynamic shapes after the first recompile).
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ def _flex_fn(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)  # automatic dynamic: few recompiles across shapes
     return _compiled_flex
 
 
