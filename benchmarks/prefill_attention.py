@@ -8,14 +8,15 @@ the pool). Points: whole prompts of 8K and 32K; chunks of 2048 / 8192 / 16384 at
 prompt (the prefix is everything before); batch 1 and 4; a sliding-window chunk and an evicted chunk (per-head
 positions in random slot order, 2% empty slots).
 
-Rows per point: ``triton`` (the new kernel), ``sdpa`` (gather + flash; it says when it fell back), ``flex``
-(gather + FlexAttention), ``paged_attention`` (today's prefill path, batch 1 only) and the SDPA ceilings on
-contiguous q/k/v of the same sizes (``ceiling_flash``: the flash kernel with native GQA, lower-right causal;
-``ceiling_default``: public SDPA with enable_gqa, whatever backend it picks; ``ceiling_cudnn``: cuDNN, whole
-prompts only). Time: median of CUDA-event timed calls after two warm-up calls, inputs rotated over copies when
-they fit in L2. TFLOP/s = 4 * head_dim * (visible query-key pairs over all query heads) / time; ``pct_sdpa`` is
-against the best ceiling of the point. ``diff_vs_triton``: largest |out - out_triton| (a sanity check; the GPU
-tests check against the reference). JSON lines to ``--out/prefill_attention.jsonl``, a table last.
+Rows per point: ``triton`` (the new kernel), ``sdpa`` (gather + flash; it says when it fell back), ``flex`` (gather
++ FlexAttention; batch 1 only, as each new shape may recompile), ``paged_attention`` (today's prefill path, batch 1
+only) and the SDPA ceilings on contiguous q/k/v of the same sizes (``ceiling_flash``: the flash kernel with native
+GQA, lower-right causal; ``ceiling_default``: public SDPA with enable_gqa, whatever backend it picks;
+``ceiling_cudnn``: cuDNN, whole prompts only). Time: median of CUDA-event timed calls after two warm-up calls,
+inputs rotated over copies when they fit in L2. TFLOP/s = 4 * head_dim * (visible query-key pairs over all query
+heads) / time; ``pct_sdpa`` is against the best ceiling of the point. ``diff_vs_triton``: largest |out - out_triton|
+(a sanity check; the GPU tests check against the reference). JSON lines to ``--out/prefill_attention.jsonl``, a
+table last.
 Runtime on one H200: about 3 minutes (``--quick``: about 1 minute; ``--sweep`` adds about 1 minute).
 """
 
@@ -96,7 +97,7 @@ def _variants(batch: int, flex: bool) -> dict:
         return lambda c: fn(**c)
 
     variants = {"triton": run(pa.prefill_attention_triton), "sdpa": run(pa.prefill_attention_sdpa)}
-    if flex:
+    if flex and batch == 1:  # each new shape can cost a flex recompile: batch 1 only keeps the run short
         variants["flex"] = run(pa.prefill_attention_flex)
     if batch == 1:
         variants["paged_attention"] = lambda c: paged_attention_triton(

@@ -148,7 +148,7 @@ if triton is not None:
         """
         pid_bh = tl.program_id(0)
         m_block = num_m_blocks - 1 - tl.program_id(1)  # the latest queries (most keys) start first
-        b = pid_bh // KV_HEADS
+        b = (pid_bh // KV_HEADS).to(tl.int64)  # batch offsets of q / out / lse can pass 2^31 elements
         h = pid_bh % KV_HEADS
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         t = rows // GROUP
