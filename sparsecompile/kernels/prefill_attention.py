@@ -1,0 +1,423 @@
+"""``sparsecompile::paged_prefill_attention``: prefill attention over the paged KV pool, with its log-sum-exp.
+
+Same view and visibility semantics as :mod:`.paged_attention` (a key slot is visible to a query iff it is inside
+``lengths``, holds a token, ``k_pos <= q_pos`` and, with a window ``w > 0``, ``k_pos > q_pos - w``); it also
+returns ``lse [batch, q_heads, queries]`` fp32, the natural-log log-sum-exp of the scaled logits over the visible
+keys (-inf, with a zero output, for a query that sees nothing).
+
+Contract the fast paths rely on (a prefill step's view; the torch reference does not need it): in a page view
+(``block_size == page_size``) the step's ``num_new[b]`` tokens are the last ``num_new[b]`` slots of every list of
+row ``b``, in position order, queries left-padded (padding queries have position -1), and every earlier slot holds
+an older token (position below every query of the step) or is empty (-1). All KV heads of a row read the same
+number of slots. Slot-list views (``block_size == 1``) make no such assumption and are read whole.
+
+CUDA implementations, chosen by :data:`CUDA_IMPL` (the benchmark ``benchmarks/prefill_attention.py`` compares them):
+
+* ``"triton"`` (:func:`prefill_attention_triton`): FlashAttention-2 style over the page table, GQA heads packed
+  into the query rows, causal block skipping. No host sync. Handles every case.
+* ``"sdpa"`` (:func:`prefill_attention_sdpa`): gathers each list into a contiguous ``[B, Hkv, N, D]`` buffer and
+  runs flash attention (lower-right causal, native GQA, log-sum-exp). Only valid when every row reads ``N``
+  slots, has no padding, no window and no empty slot before its new tokens; it checks this on the device and
+  reads the verdict and ``N`` with **one host sync per call**, then falls back to the Triton kernel if invalid.
+  Static fallbacks (no sync): a window, a slot-list view, fp32. A caller that knows the answer from host state
+  passes ``known_length`` and nothing syncs.
+* ``"flex"`` (:func:`prefill_attention_flex`): gathers the whole view capacity (``index.shape[-1] * block_size``
+  slots, no sync) and runs FlexAttention with a position ``mask_mod`` and a block mask built on the device; exact
+  in every case (padding, holes, windows). Compiled by dynamo (dynamic shapes after the first recompile).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .library import define_op
+from .pool import gather_slots, launch_inputs, used_view_slots, view_slots
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+#: CUDA implementation of the op: "triton", "sdpa" or "flex" (see the module docstring).
+CUDA_IMPL = "triton"
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_REFERENCE_SCORE_ELEMENTS = 1 << 26  # above this many fp32 logits the reference works in query blocks
+
+
+def prefill_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                pos_pool: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+                                q_positions: torch.Tensor, num_new: torch.Tensor, block_size: int, scale: float,
+                                sliding_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference in fp32 (``num_new`` is not needed: visibility follows positions alone).
+
+    Args:
+        query: ``[batch, q_heads, queries, head_dim]`` (any strides).
+        k_pool, v_pool: ``[num_pages, kv_heads, page_size, head_dim]``; pos_pool ``[num_pages, kv_heads, page_size]``.
+        index, lengths: the view (:func:`~.pool.view_slots`); q_positions ``[batch, queries]`` (-1 = padding).
+    Returns:
+        ``out [batch, queries, q_heads, head_dim]`` contiguous in ``query.dtype`` and ``lse [batch, q_heads,
+        queries]`` fp32.
+    """
+    batch, q_heads, queries, head_dim = query.shape
+    kv_heads = k_pool.shape[1]
+    group = q_heads // kv_heads
+    slots, valid = used_view_slots(index, lengths, block_size)
+    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, n, head_dim]
+    values = gather_slots(v_pool, slots).float()
+    kpos = torch.where(valid, gather_slots(pos_pool, slots).long(), -1)[:, :, None, None, :]
+    folded = query.float().reshape(batch, kv_heads, group, queries, head_dim)
+    out = folded.new_empty(folded.shape)
+    lse = folded.new_empty(folded.shape[:-1])
+    step = max(1, _REFERENCE_SCORE_ELEMENTS // max(1, batch * q_heads * slots.shape[-1]))
+    for start in range(0, queries, step):
+        stop = min(queries, start + step)
+        qpos = q_positions[:, None, None, start:stop, None].long()
+        mask = (kpos >= 0) & (kpos <= qpos)
+        if sliding_window > 0:
+            mask = mask & (kpos > qpos - sliding_window)
+        logits = torch.einsum("bhgtd,bhnd->bhgtn", folded[:, :, :, start:stop], keys) * scale
+        logits = logits.masked_fill(~mask, float("-inf"))
+        part_lse = torch.logsumexp(logits, -1)
+        weights = torch.exp(logits - torch.where(part_lse.isinf(), 0.0, part_lse)[..., None])  # 0 where masked
+        out[:, :, :, start:stop] = torch.einsum("bhgtn,bhnd->bhgtd", weights, values)
+        lse[:, :, :, start:stop] = part_lse
+    out = out.reshape(batch, q_heads, queries, head_dim).transpose(1, 2).to(query.dtype).contiguous()
+    return out, lse.reshape(batch, q_heads, queries)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """``a @ b`` accumulated in fp32: tensor cores on the inputs' dtype, or exact fp32 with ``IEEE`` (fp32
+        inputs; and under TRITON_INTERPRET, whose bf16 dot is wrong in triton 3.9: fp32 copies of the bf16 values)."""
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _tile(K, V, POS, INDEX, start, hi, h, d, dmask, KV_HEADS: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys, values and positions of list slots ``[start, start + BLOCK_N)`` (-1 past ``hi``)."""
+        j = start + tl.arange(0, BLOCK_N)
+        jmask = j < hi
+        if BLOCK == PAGE and BLOCK_N % PAGE == 0:
+            e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # one index load per page (start is page-aligned)
+            page_ids = tl.load(INDEX + e, mask=e * PAGE < hi, other=0)
+            first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
+            base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
+        else:
+            entry = tl.load(INDEX + j // BLOCK, mask=jmask, other=0)
+            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
+            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
+        row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
+        k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(V + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        kpos = tl.load(POS + base, mask=jmask, other=-1)
+        return k, v, kpos
+
+    @triton.jit
+    def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+        """Fold one tile of base-2 logits ``s`` (-inf = masked) and its values into the running state."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay NaN-free
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _prefill_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, NUM_NEW, OUT, LSE,
+                        stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh, stride_pb,
+                        stride_ob, stride_ot, stride_oh,
+                        scale, window, num_queries, num_m_blocks,
+                        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        CAUSAL_SKIP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        """One program: BLOCK_M rows (row = query * GROUP + head-in-group) of one (sequence, kv_head).
+
+        With CAUSAL_SKIP (page views, the module's contract) the list is read in two loops: whole tiles of the
+        prefix, visible to every real query (only empty slots are masked, by a per-column bias folded into the
+        scale's multiply), then the rest up to the causal bound of the tile's last query with the full position
+        test. Padding queries are zeroed at the end. Otherwise (windows, slot lists) one loop with the full test.
+        """
+        pid_bh = tl.program_id(0)
+        m_block = num_m_blocks - 1 - tl.program_id(1)  # the latest queries (most keys) start first
+        b = (pid_bh // KV_HEADS).to(tl.int64)  # batch offsets of q / out / lse can pass 2^31 elements
+        h = pid_bh % KV_HEADS
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = rows // GROUP
+        qh = h * GROUP + rows % GROUP
+        row_ok = t < num_queries
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+        qk_scale = tl.cast(scale, tl.float32) * 1.4426950408889634  # exp2 softmax; inductor passes floats as fp64
+        length = tl.load(LENGTHS + b * stride_lb + h * stride_lh).to(tl.int32)
+        index = INDEX + b * stride_ib + h * stride_ih
+        hi = length
+        split = 0
+        if CAUSAL_SKIP:
+            # new slots sit at the end in position order: query new-offset o sees slots < prefix + o + 1
+            num_new = tl.load(NUM_NEW + b).to(tl.int32)
+            last_t = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, num_queries - 1)
+            last_offset = last_t - (num_queries - num_new)
+            hi = tl.where(last_offset >= 0, tl.minimum(length, length - num_new + last_offset + 1), 0)
+            if not HAS_WINDOW:
+                split = tl.minimum((length - num_new) // BLOCK_N * BLOCK_N, hi)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, split, BLOCK_N):
+            k, v, kpos = _tile(K, V, POS, index, start, hi, h, d, dmask, KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+            bias = tl.where(kpos >= 0, 0.0, float("-inf"))
+            s = _dot(q, tl.trans(k), IEEE) * qk_scale + bias[None, :]
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        for start in range(split, hi, BLOCK_N):
+            k, v, kpos = _tile(K, V, POS, index, start, hi, h, d, dmask, KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+            kpos = tl.where(kpos >= 0, kpos, 2147483647)  # empty or outside the list: after every query
+            vis = kpos[None, :] <= qpos[:, None]
+            if HAS_WINDOW:
+                vis = vis & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(vis, _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        seen = (l_i > 0.0) & (qpos >= 0)
+        l_safe = tl.where(seen, l_i, 1.0)
+        out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+        tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + (b * (KV_HEADS * GROUP) + qh) * num_queries + t, lse, mask=row_ok)
+
+
+# Launch configurations by shape (override with ``config=``; benchmarks/prefill_attention.py --sweep times others).
+PREFILL_LARGE_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+PREFILL_SMALL_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+PREFILL_FP32_CONFIG = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+def prefill_config(rows: int, dtype: torch.dtype) -> dict:
+    """The default launch configuration for ``rows = queries * group`` query rows per KV head."""
+    if dtype == torch.float32:
+        return PREFILL_FP32_CONFIG
+    return PREFILL_LARGE_CONFIG if rows >= 1024 else PREFILL_SMALL_CONFIG
+
+
+def prefill_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
+                             index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
+                             num_new: torch.Tensor, block_size: int, scale: float, sliding_window: int, *,
+                             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launch with the semantics of :func:`prefill_attention_reference` (given the module's contract)."""
+    batch, q_heads, queries, head_dim = query.shape
+    kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
+    group = q_heads // kv_heads
+    query, index, q_positions = launch_inputs(query, index, q_positions)
+    num_new = num_new.contiguous()
+    out = torch.empty(batch, queries, q_heads, head_dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device)
+    cfg = {**prefill_config(queries * group, query.dtype), **(config or {})}
+    m_blocks = triton.cdiv(queries * group, cfg["block_m"])
+    if batch * queries == 0:
+        return out, lse
+    _prefill_kernel[(batch * kv_heads, m_blocks)](
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new, out, lse,
+        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
+        lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        float(scale), int(sliding_window), queries, m_blocks,
+        KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        CAUSAL_SKIP=block_size == page_size, HAS_WINDOW=sliding_window > 0,
+        IEEE=query.dtype == torch.float32 or _INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------- gather-based variants
+def gather_view(pool: torch.Tensor, index: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """The first ``n`` slots of every list of a view as ``[batch, kv_heads, n, *rest]`` (no sync).
+
+    Page views copy whole pages (one index per ``page_size`` slots); slots past ``lengths`` hold stale data.
+    """
+    page_size = pool.shape[2]
+    if block_size != page_size:
+        return gather_slots(pool, view_slots(index[..., : -(-n // block_size)], index.new_full((1, 1), n),
+                                             block_size)[0][..., :n])
+    pages = index[..., : -(-n // page_size)].long()
+    head = torch.arange(pool.shape[1], device=pool.device)[None, :, None]
+    blocks = pool[pages, head]  # [batch, kv_heads, pages, page_size, *rest]
+    return blocks.flatten(2, 3)[:, :, :n]
+
+
+def _flash_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower-right causal attention of ``query [B, Hq, T, D]`` over ``key/value [B, Hkv, N, D]`` (N >= T), native
+    GQA; returns ``out [B, T, Hq, D]`` contiguous and ``lse [B, Hq, T]``. CUDA: the flash kernel (causal is
+    bottom-right aligned there); CPU (tests): the CPU flash kernel with an explicit mask."""
+    queries, n = query.shape[2], key.shape[2]
+    if query.is_cuda:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scale)
+    else:
+        group = query.shape[1] // key.shape[1]
+        visible = torch.ones(queries, n, dtype=torch.bool, device=query.device).tril(n - queries)
+        mask = torch.zeros(queries, n, dtype=query.dtype, device=query.device).masked_fill(~visible, float("-inf"))
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), 0.0, False,
+            attn_mask=mask, scale=scale)
+    return res[0].transpose(1, 2).contiguous(), res[1][..., :queries].float()
+
+
+def prefill_attention_dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill step with no prefix and no padding is causal attention over its own ``key/value [B, Hkv, T, D]``:
+    no gather at all (the caller knows this on the host). Returns ``out [B, T, Hq, D]`` and ``lse [B, Hq, T]``."""
+    return _flash_with_lse(query, key, value, scale)
+
+
+def sdpa_applicable(index: torch.Tensor, lengths: torch.Tensor, pos_pool: torch.Tensor, num_new: torch.Tensor,
+                    queries: int, block_size: int) -> torch.Tensor:
+    """Device ``[2]`` int64: (1 if the gathered-SDPA path is exact else 0, longest list). Exact when every list has
+    the same length, no row is padded and no slot before a row's new tokens is empty (read over the capacity of
+    the view: position ids only, 4 bytes a slot)."""
+    span = index.shape[-1] * block_size
+    lens = lengths.long()
+    longest = lens.max()
+    kpos = gather_view(pos_pool, index, block_size, span)
+    j = torch.arange(span, device=index.device)
+    holes = ((kpos < 0) & (j < lens[..., None])).any()
+    ok = (lens == longest).all() & (num_new == queries).all() & ~holes
+    return torch.stack([ok.long(), longest])
+
+
+def prefill_attention_sdpa(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
+                           index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
+                           num_new: torch.Tensor, block_size: int, scale: float, sliding_window: int, *,
+                           known_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather + flash attention (variant b); falls back to :func:`prefill_attention_triton` when not exact.
+
+    ``known_length``: the caller vouches (from host state) that the path is exact with lists of this length, so
+    nothing syncs; otherwise one host sync reads :func:`sdpa_applicable`.
+    """
+    queries = query.shape[2]
+    flash_dtype = query.dtype in (torch.bfloat16, torch.float16) or not query.is_cuda
+    static_ok = sliding_window <= 0 and block_size == k_pool.shape[2] and flash_dtype
+    if static_ok and known_length is None:
+        ok, known_length = sdpa_applicable(index, lengths, pos_pool, num_new, queries, block_size).tolist()
+        static_ok = bool(ok)
+    if not static_ok or known_length < queries:
+        fallback = prefill_attention_triton if query.is_cuda else prefill_attention_reference
+        return fallback(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new, block_size, scale,
+                        sliding_window)
+    keys = gather_view(k_pool, index, block_size, known_length)
+    values = gather_view(v_pool, index, block_size, known_length)
+    return _flash_with_lse(query, keys, values, scale)
+
+
+_FLEX_BLOCK = 128
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """FlexAttention compiled on CUDA (the eager path materialises every logit); eager on CPU (tests)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)  # automatic dynamic: few recompiles across shapes
+    return _compiled_flex
+
+
+def prefill_attention_flex(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
+                           index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
+                           num_new: torch.Tensor, block_size: int, scale: float,
+                           sliding_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the view's capacity + FlexAttention (variant c). No host sync; exact in every case.
+
+    The block mask skips key blocks past each query block's causal bound (page views, the module's contract) and
+    past ``lengths``; it treats a leading run of key blocks as fully visible (no mask_mod) when the row has no
+    window, no padding query in the block and no empty slot before its new tokens.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, q_heads, queries, _ = query.shape
+    kv_heads = k_pool.shape[1]
+    group = q_heads // kv_heads
+    span = index.shape[-1] * block_size
+    keys = gather_view(k_pool, index, block_size, span)
+    values = gather_view(v_pool, index, block_size, span)
+    lens = lengths.long()
+    j = torch.arange(span, device=query.device)
+    kpos = torch.where(j < lens[..., None], gather_view(pos_pool, index, block_size, span).long(), -1)
+    qpos = q_positions.long()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = kpos[b, h // group, kv_idx]
+        q = qpos[b, q_idx]
+        vis = (p >= 0) & (p <= q)
+        if sliding_window > 0:
+            vis = vis & (p > q - sliding_window)
+        return vis
+
+    blk = _FLEX_BLOCK
+    q_blocks, kv_blocks = -(-queries // blk), -(-span // blk)
+    length = lens.max(1).values  # [batch]; equal across heads by contract
+    padding = queries - num_new.long()  # [batch] leading padding queries
+    last_t = torch.clamp(torch.arange(q_blocks, device=query.device) * blk + blk - 1, max=queries - 1)
+    last_offset = last_t[None, :] - padding[:, None]  # [batch, q_blocks]
+    if block_size == k_pool.shape[2]:
+        bound = torch.where(last_offset >= 0, torch.minimum(length[:, None], length[:, None] - num_new[:, None]
+                                                            + last_offset + 1), 0)
+    else:
+        bound = length[:, None].expand(-1, q_blocks)
+    total = -(-bound // blk)
+    prefix = (length - num_new.long()).clamp(min=0)
+    holes = ((kpos < 0) & (j < prefix[:, None, None])).flatten(1).any(1)  # [batch]
+    first_t = torch.arange(q_blocks, device=query.device) * blk
+    dense = (first_t[None, :] >= padding[:, None]) & ~holes[:, None] & (sliding_window <= 0)
+    full = torch.where(dense, prefix[:, None] // blk, 0).clamp(max=total)
+    cols = torch.arange(kv_blocks, device=query.device)
+    partial = (cols + full[..., None]).clamp(max=kv_blocks - 1)  # blocks full..total-1 (entries past are unread)
+    block_mask = BlockMask.from_kv_blocks(
+        (total - full)[:, None].to(torch.int32), partial[:, None].to(torch.int32),
+        full[:, None].to(torch.int32), cols.expand(batch, 1, q_blocks, -1).to(torch.int32),
+        BLOCK_SIZE=(blk, blk), mask_mod=mask_mod, seq_lengths=(queries, span))
+    out, lse = _flex_fn(query.device)(query, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True,
+                                      return_lse=True)
+    return out.transpose(1, 2).contiguous(), lse.float()
+
+
+_IMPLEMENTATIONS = {"sdpa": prefill_attention_sdpa, "flex": prefill_attention_flex}
+
+
+def _cuda(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new, block_size, scale, sliding_window):
+    launch = _IMPLEMENTATIONS.get(CUDA_IMPL, prefill_attention_triton)
+    return launch(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new, block_size, scale,
+                  sliding_window)
+
+
+def _fake(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new, block_size, scale, sliding_window):
+    batch, q_heads, queries, head_dim = query.shape
+    return (query.new_empty(batch, queries, q_heads, head_dim),
+            query.new_empty(batch, q_heads, queries, dtype=torch.float32))
+
+
+paged_prefill_attention = define_op(
+    "paged_prefill_attention(Tensor query, Tensor k_pool, Tensor v_pool, Tensor pos_pool, Tensor index, "
+    "Tensor lengths, Tensor q_positions, Tensor num_new, int block_size, float scale, int sliding_window) "
+    "-> (Tensor out, Tensor lse)",
+    cpu=prefill_attention_reference,
+    cuda=_cuda if triton is not None else None,
+    fake=_fake,
+)
+
+__all__ = ["CUDA_IMPL", "paged_prefill_attention", "prefill_attention_reference", "prefill_attention_triton",
+           "prefill_attention_sdpa", "prefill_attention_flex", "prefill_attention_dense", "gather_view"]
