@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..config import MethodConfigError, option
-from ..kernels import gather_slots, h2o_accumulate
+from ..kernels import gather_slots, h2o_accumulate, h2o_accumulate_lse
 from ..runtime.contract import LayerContext, PrefillMode
 from ..runtime.host import to_device
 from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive, recent_mask, resident
@@ -108,9 +108,13 @@ class H2ORuntime(EvictionRuntime):
             manager.scatter_slots(scores, torch.where(valid, slots, -1), torch.zeros_like(slots, dtype=scores.dtype))
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        v = ctx.view
-        h2o_accumulate(ctx.manager.slot_metadata[SCORE], ctx.query, v.k_pool, v.pos_pool, v.index, v.lengths,
-                       ctx.step.positions, v.block_size, ctx.scale, ctx.sliding_window)
+        v, score = ctx.view, ctx.manager.slot_metadata[SCORE]
+        if ctx.lse is not None:  # prefill: the attention's normaliser, one pass over the keys
+            h2o_accumulate_lse(score, ctx.query, v.k_pool, v.pos_pool, v.index, v.lengths, ctx.step.positions,
+                               ctx.lse, v.block_size, ctx.scale, ctx.sliding_window)
+        else:
+            h2o_accumulate(score, ctx.query, v.k_pool, v.pos_pool, v.index, v.lengths, ctx.step.positions,
+                           v.block_size, ctx.scale, ctx.sliding_window)
 
     def _scores(self, manager: CacheManager, slots: torch.Tensor, pos: torch.Tensor,
                 recent: torch.Tensor) -> torch.Tensor:

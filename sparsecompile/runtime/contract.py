@@ -61,6 +61,8 @@ class LayerContext:
         new_slots: ``[batch, tokens]`` global slot ids the new tokens were written to (-1 = padding).
         scale: softmax scale; sliding_window: 0 or the layer's window.
         view: the AttentionView read by this layer (set before ``on_attention_end``).
+        lse: ``[batch, q_heads, tokens]`` fp32 log-sum-exp of each query's scaled logits over the view (prefill
+            steps; None in decode), for scoring without a second normaliser pass.
     """
 
     layer: int
@@ -73,6 +75,7 @@ class LayerContext:
     scale: float
     sliding_window: int
     view: AttentionView | None = None
+    lse: torch.Tensor | None = None
 
 
 class SparseMethod:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..kernels import paged_attention
+from ..kernels import paged_attention, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_step
@@ -205,8 +205,13 @@ class SparseController:
         ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
         ctx.view = view = m.build_view(layer, step, selection)
-        out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
-                              step.positions, view.block_size, scale, sliding_window)
+        if step.is_prefill:  # tensor-core prefill kernel; its log-sum-exp serves the methods' scoring
+            out, ctx.lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                                   view.lengths, step.positions, step.num_new, view.block_size,
+                                                   scale, sliding_window)
+        else:
+            out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
+                                  step.positions, view.block_size, scale, sliding_window)
         rt.on_attention_end(ctx, out)
         rt.on_layer_end(ctx)
         return out
