@@ -92,9 +92,18 @@ class ServingConfig:
     cuda_graph_sizes: list[int] | None = option(None, "decode batch sizes compiled and graph-captured (default: "
                                                       "powers of two up to max_num_seqs)")
     model_name: str | None = option(None, "the model id clients send (default: the model path)")
+    enable_prefix_caching: bool = option(False, "share full KV pages of common prompt prefixes between requests "
+                                                "(methods that keep every token: vanilla, quest, omnikv)")
+    max_idle_chains: int | None = option(None, "idle chains (per-conversation KV kept between turns, requests with a "
+                                               "chain_id) held at most; least recently used freed first (default: "
+                                               "max_num_seqs)")
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_idle_chains is not None and (isinstance(self.max_idle_chains, bool)
+                                                 or not isinstance(self.max_idle_chains, int)
+                                                 or self.max_idle_chains < 0):
+            raise MethodConfigError(f"max_idle_chains must be an integer >= 0, got {self.max_idle_chains!r}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:

@@ -63,10 +63,14 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, chain_ids: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids); outputs come back in the prompts' order.
 
         ``sampling_params``: one for all prompts or one per prompt (default ``SamplingParams()``).
+        ``chain_ids``: one per prompt (None: no chain): the conversation each prompt continues. A prompt that starts
+        with the tokens the chain processed (its previous prompt + output) reuses the chain's KV and prefills only
+        the rest; each finished request leaves its state under its chain id for the next turn (outputs carry
+        ``chain_id``; ``metrics.chain_hit`` / ``chain_miss_reason`` say what happened).
         Every request is validated before any runs; a rejected one raises ``RequestRejected``.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -78,11 +82,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        chains = [None] * len(prompts) if chain_ids is None else list(chain_ids)
+        if len(chains) != len(prompts):
+            raise ValueError(f"got {len(chains)} chain ids for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p)
+            for request_id, prompt, p, chain in zip(ids, prompts, params, chains):
+                engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p,
+                                   **({"chain_id": chain} if chain is not None else {}))
             return self._run(engine, ids, use_tqdm)
         except BaseException:
             for request_id in ids:  # leave nothing queued or allocated behind
@@ -97,6 +105,18 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.llm_engine.chat_prompt_ids(list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def fork_chain(self, source: str, chain_id: str) -> None:
+        """Branch the idle conversation ``source`` into a new one, ``chain_id`` (KV shared copy-on-write)."""
+        self.llm_engine.fork_chain(source, chain_id)
+
+    def drop_chain(self, chain_id: str) -> bool:
+        """Free an idle conversation's KV now (False: no idle chain under that id)."""
+        return self.llm_engine.drop_chain(chain_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix block no request uses (``enable_prefix_caching``); returns the pages freed."""
+        return self.llm_engine.reset_prefix_cache()
 
     @staticmethod
     def _run(engine: LLMEngine, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -121,3 +141,4 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
+

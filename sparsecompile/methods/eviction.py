@@ -400,3 +400,16 @@ class EvictionMemoryOracle(MemoryOracle):
 
     def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
         return [self._after(prompt_len, kept, generated, transient=False) for kept in self.kept(prompt_len)]
+
+    def resumed_peak_slots(self, resident: list[int], prompt_len: int, suffix: int) -> list[int]:
+        """A resumed row appends the suffix to what it holds; chunk-wise eviction bounds it by the budget + a chunk."""
+        peaks = []
+        for held, kept in zip(resident, self.kept(prompt_len)):
+            peak = held + suffix
+            if self.chunk_eviction and self.prefill_chunk:
+                peak = min(peak, max(held, kept) + self.prefill_chunk)
+            peaks.append(peak)
+        return peaks
+
+    def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
+        return [self._after(prompt_len, held, generated, transient=False) for held in after_prompt]

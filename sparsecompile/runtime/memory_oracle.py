@@ -51,6 +51,17 @@ class MemoryOracle(ABC):
         now = self.resident_slots_per_layer(prompt_len, generated)
         return {"kv_pages": self.pages_for([s + new_tokens for s in now]) - self.pages_for(now)}
 
+    # ---- resumed rows (a chain continuation: the row already holds a compacted prefix; serving/reuse.py)
+    def resumed_peak_slots(self, resident: list[int], prompt_len: int, suffix: int) -> list[int]:
+        """Most slots each layer uses while a row that already holds ``resident`` slots per layer prefills ``suffix``
+        more prompt tokens (``prompt_len``: the whole logical prompt, resumed prefix included)."""
+        return [r + suffix for r in resident]
+
+    def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
+        """Slots each layer holds after ``generated`` decode tokens when the prompt (of ``prompt_len`` logical tokens)
+        left ``after_prompt`` slots per layer (measured on the row, not derived from ``prompt_len``)."""
+        return [c + generated for c in after_prompt]
+
     def fits(self, cost: dict[str, int], budgets: dict[str, int]) -> bool:
         return all(cost.get(name, 0) <= budgets.get(name, 0) for name in cost)
 

@@ -164,9 +164,10 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {model_name!r} "
                                 "(see GET /v1/models)", param="model", error_type="model_not_found")
 
-    async def admit(request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def admit(request_id: str, prompt: str | list[int], params: SamplingParams,
+                    chain_id: str | None = None) -> RequestStream:
         try:
-            return await bridge.add_request(request_id, prompt, params)
+            return await bridge.add_request(request_id, prompt, params, chain_id=chain_id)
         except RequestRejected as err:
             raise APIError(400, str(err)) from None
         except EngineDeadError as err:
@@ -201,7 +202,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         check_model(body.model)
         params = _sampling(body, body.max_tokens or 16)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await admit(request_id, body.prompt, params)
+        stream = await admit(request_id, body.prompt, params, body.chain_id)
         created = int(time.time())
 
         async def sse_body(outputs: RequestStream) -> AsyncIterator[str]:
@@ -209,7 +210,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
                       choices: bool = True) -> CompletionResponse:
                 choice = [CompletionChoice(text=text, finish_reason=reason)] if choices else []
                 return CompletionResponse(id=request_id, created=created, model=model_name, choices=choice,
-                                          usage=usage)
+                                          usage=usage, chain_id=body.chain_id)
 
             async for item in _guarded(outputs):
                 if isinstance(item, str):
@@ -225,7 +226,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         def build(final: RequestOutput) -> CompletionResponse:
             completion = final.outputs[0]
             return CompletionResponse(id=request_id, created=created, model=model_name, usage=_usage(final),
-                                      choices=[CompletionChoice(text=completion.text,
+                                      chain_id=body.chain_id, choices=[CompletionChoice(text=completion.text,
                                                                 finish_reason=completion.finish_reason,
                                                                 stop_reason=completion.stop_reason)])
 
@@ -245,7 +246,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         # Without a limit the engine stops at the context length (it caps max_tokens at max_model_len - prompt).
         params = _sampling(body, body.token_limit or max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await admit(request_id, prompt, params)
+        stream = await admit(request_id, prompt, params, body.chain_id)
         created = int(time.time())
 
         async def sse_body(outputs: RequestStream) -> AsyncIterator[str]:
@@ -253,7 +254,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
                       usage: UsageInfo | None = None) -> ChatCompletionChunk:
                 choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=reason)]
                 return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
-                                           usage=usage)
+                                           usage=usage, chain_id=body.chain_id)
 
             yield _sse(chunk(DeltaMessage(role="assistant", content="")))
             async for item in _guarded(outputs):
@@ -272,6 +273,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         def build(final: RequestOutput) -> ChatCompletionResponse:
             completion = final.outputs[0]
             return ChatCompletionResponse(id=request_id, created=created, model=model_name, usage=_usage(final),
+                                          chain_id=body.chain_id,
                                           choices=[ChatChoice(message=AssistantMessage(content=completion.text),
                                                               finish_reason=completion.finish_reason,
                                                               stop_reason=completion.stop_reason)])

@@ -55,6 +55,7 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     admitted: asyncio.Future
+    chain_id: str | None = None
 
 
 @dataclass
@@ -172,13 +173,14 @@ class AsyncEngine:
                 self._thread = threading.Thread(target=self._run, name="sparsecompile-engine", daemon=True)
                 self._thread.start()
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          chain_id: str | None = None) -> RequestStream:
         """Admit a request; raises ``RequestRejected`` (from the engine) if it can never be served."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.monotonic())
         admitted = loop.create_future()
         self.start()
-        self._send(_Add(request_id, prompt, params, stream, admitted))
+        self._send(_Add(request_id, prompt, params, stream, admitted, chain_id))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -281,7 +283,8 @@ class AsyncEngine:
                 f"request id {command.request_id!r} is already in use; use a unique id per request"))
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            chain = {"chain_id": command.chain_id} if command.chain_id is not None else {}
+            self.engine.add_request(command.request_id, command.prompt, command.params, **chain)
         except Exception as err:  # noqa: BLE001 - RequestRejected, or an engine bug reported to this request only
             if not isinstance(err, RequestRejected):
                 logger.exception("engine.add_request(%r) failed", command.request_id)

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .reuse_metrics import ReuseStatsCollector
+
 PREFIX = "sparsecompile"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -66,6 +68,7 @@ class ServerMetrics:
     def attach_engine_stats(self, snapshot: Callable[[], Any]) -> None:
         """Expose the engine-wide gauges, read from ``snapshot()`` (an ``EngineStats``) at every scrape."""
         self.registry.register(_EngineStatsCollector(snapshot))
+        self.registry.register(ReuseStatsCollector(snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

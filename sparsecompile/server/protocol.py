@@ -45,6 +45,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: StrictStr | None = None  # accepted and ignored, as OpenAI documents it (abuse monitoring)
+    #: sparsecompile extra: the conversation this request continues (chain cache: its KV stays between turns)
+    chain_id: StrictStr | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_supported(self) -> _SamplingFields:
@@ -167,6 +169,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    chain_id: str | None = None  # echoed from the request (sparsecompile extra)
 
 
 class AssistantMessage(BaseModel):
@@ -189,6 +192,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    chain_id: str | None = None  # echoed from the request (sparsecompile extra)
 
 
 class DeltaMessage(BaseModel):
@@ -210,6 +214,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    chain_id: str | None = None  # echoed from the request (sparsecompile extra)
 
 
 class ModelCard(BaseModel):

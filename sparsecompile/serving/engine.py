@@ -6,13 +6,17 @@ HF's generation loop with the :class:`Scheduler`'s. Each :meth:`step` runs one d
 every request past its prompt (padded to a CUDA-graph batch size when decode is compiled) and one
 forward per scheduled prompt chunk, samples, applies stop conditions, and frees the rows of finished,
 aborted and preempted requests at once.
+
+Multi-turn reuse (``reuse.py``): a request with a ``chain_id`` leaves its row idle under that id when it finishes,
+and a continuation reattaches it and prefills only its new tokens; with ``enable_prefix_caching`` (methods that keep
+every token) full prompt pages are shared between requests. Both hold pages the scheduler counts as reclaimable.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -23,6 +27,7 @@ from ..models.support import UnsupportedModelError
 from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestRejected, SamplingParams
+from .reuse import KVReuse, ReuseStats, fingerprint
 from .sampling import make_generator, sample
 from .scheduler import PrefillChunk, Request, Scheduler
 
@@ -40,6 +45,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens fed (recomputation included)
     generation_tokens: int
     steps: int
+    reuse: ReuseStats = field(default_factory=ReuseStats)  # chains, prefix cache, reclaimable pages
 
 
 @dataclass
@@ -76,10 +82,15 @@ class LLMEngine:
         self.device = c.layout.device
         num_pages = c.config.num_pages or self._pages_from_memory(config, max_num_seqs)
         widest = math.ceil((self.max_model_len + 1) / c.layout.page_size)
-        self.manager = c.build_pool(num_pages, max_num_seqs + 1, widest)  # +1: the decode padding row
+        idle_rows = max_num_seqs if config.max_idle_chains is None else config.max_idle_chains
+        # rows: the running requests, the idle chains and the decode padding row
+        self.manager = c.build_pool(num_pages, max_num_seqs + idle_rows + 1, widest)
+        self.reuse = KVReuse(c, fingerprint(c, self.model_name), prefix_caching=config.enable_prefix_caching,
+                             max_idle_chains=idle_rows)
         self.scheduler = Scheduler(c.oracle, num_pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=chunk,
-                                   prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len)
+                                   prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len,
+                                   reuse=self.reuse)
         sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
@@ -103,11 +114,19 @@ class LLMEngine:
         return pages
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; :class:`RequestRejected` (with the reason) when it can never be served."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    chain_id: str | None = None) -> None:
+        """Queue a request; :class:`RequestRejected` (with the reason) when it can never be served.
+
+        ``chain_id``: the conversation this request belongs to. If its prompt extends the processed tokens of the
+        idle chain under that id, the chain's KV and method state are reattached and only the new tokens are
+        prefilled; when it finishes (stop / length), its state stays idle under that id for the next turn.
+        """
         params = params or SamplingParams()
         if request_id in self._live:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        if chain_id is not None and (not isinstance(chain_id, str) or not chain_id):
+            raise RequestRejected(f"chain_id must be a non-empty string, got {chain_id!r}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer(prompt).input_ids
         else:
@@ -117,7 +136,7 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
         request = Request(request_id, ids, params, RequestMetrics(time.monotonic(), num_prompt_tokens=len(ids)),
-                          prompt=text)
+                          prompt=text, chain_id=chain_id)
         self.scheduler.add(request)
         self._live[request_id] = _Live(request, Detokenizer(self.tokenizer, params, self.eos_token_ids),
                                        make_generator(params.seed, self.device))
@@ -146,7 +165,25 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), self.manager.allocator.num_free, self.manager.num_pages,
-                           s.num_preemptions, **self._counters)
+                           s.num_preemptions, **self._counters, reuse=self.reuse.stats())
+
+    # ------------------------------------------------------------------ idle state (chains, prefix cache)
+    def fork_chain(self, source: str, chain_id: str) -> None:
+        """Branch a conversation: the idle chain ``source`` is copied (pages shared copy-on-write) to a new idle
+        chain ``chain_id``; continuing one never changes the other."""
+        self.reuse.fork_chain(source, chain_id)
+
+    def drop_chain(self, chain_id: str) -> bool:
+        """Free the idle chain ``chain_id`` now (False: there is none)."""
+        return self.reuse.drop_chain(chain_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every prefix block no request uses; returns the pages freed."""
+        return self.reuse.reset_prefix_cache()
+
+    def release_idle(self) -> None:
+        """Free every idle chain and every idle prefix block."""
+        self.reuse.release_idle()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -189,9 +226,9 @@ class LLMEngine:
         now = time.monotonic()
         for chunk in group:
             r = chunk.request
+            r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
             if r.row is None:
                 r.row = self.controller.add_sequences(1)[0]
-                r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
         width = max(c.stop - c.start for c in group)
         ids = torch.zeros(len(group), width, dtype=torch.long)
         positions = torch.zeros(len(group), width, dtype=torch.long)
@@ -206,8 +243,12 @@ class LLMEngine:
                                          positions.to(self.device, non_blocking=True), valid, 1,
                                          final=[c.final for c in group])
         for c in group:
+            r = c.request
             self._counters["prompt_tokens"] += c.stop - c.start
-            self.scheduler.chunk_done(c)
+            # once a prompt ends, its reservations follow the row's measured slots (exact for resumed rows and KVzip)
+            slots = self.manager.slot_count_array([r.row])[0].tolist() if c.final else None
+            self.scheduler.chunk_done(c, slots)
+            self.reuse.progress(r)
         done = [i for i, c in enumerate(group) if c.final]
         if not done:
             return []
@@ -233,15 +274,14 @@ class LLMEngine:
     def _finish(self, live: _Live, reason: str, stop: str | int | None) -> None:
         r = live.request
         self.scheduler.finish(r, reason, stop)
-        self._release([r])
+        self.reuse.finish(r, keep=reason in ("stop", "length"))  # parks a chain, caches blocks, frees the row
         r.metrics.finished_time = time.monotonic()
         del self._live[r.request_id]
 
     def _release(self, requests: list[Request]) -> None:
-        rows = [r.row for r in requests if r.row is not None]
-        self.controller.release_rows(rows)
+        """Free the rows of preempted requests (their full blocks stay cached; a reattached chain is gone)."""
         for r in requests:
-            r.row = None
+            self.reuse.preempted(r)
 
     def _output(self, live: _Live) -> RequestOutput:
         r, d = live.request, live.detok
@@ -251,7 +291,8 @@ class LLMEngine:
         completion = CompletionOutput(0, d.text, list(r.output_ids), r.finish_reason, r.stop_reason,
                                       d.delta(finished), new_ids)
         # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], finished, replace(r.metrics))
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], finished, replace(r.metrics),
+                             chain_id=r.chain_id)
 
 
 def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[PrefillChunk]]:

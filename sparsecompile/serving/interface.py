@@ -17,8 +17,10 @@ class Engine(Protocol):
     max_model_len: int
     tokenizer: Any
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; raises ``RequestRejected`` with the reason when it can never be served."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    chain_id: str | None = None) -> None:
+        """Queue a request; raises ``RequestRejected`` with the reason when it can never be served. ``chain_id``: the
+        conversation it continues (its KV stays idle between turns; engines without a chain cache ignore it)."""
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free what it holds (unknown or finished ids are ignored)."""

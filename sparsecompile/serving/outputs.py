@@ -87,6 +87,13 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
+    #: prompt tokens whose KV was reused (a chain continuation or a prefix-cache hit), not recomputed
+    num_cached_tokens: int = 0
+    #: requests with a chain id: whether the chain was reattached, and if not, why (serving/chain_cache.py)
+    chain_hit: bool | None = None
+    chain_miss_reason: str | None = None
+    #: the reattached chain's history was pruned (interval pruning): attention reads a compressed payload
+    compressed_history: bool = False
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -130,3 +137,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    chain_id: str | None = None  # the session the request continued / left its state under (None: no chain)

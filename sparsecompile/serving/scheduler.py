@@ -15,6 +15,12 @@ allocates through the CacheManager and releases a request's row when the schedul
 preempts it. Invariant: the pages a request holds never exceed its reservation, and reservations never
 exceed the pool, so a step the scheduler emitted never runs out of pages.
 
+Reusable idle state (``reuse``, see ``reuse.py``): idle chains and cached prefix blocks hold pages that no request
+has reserved. They sit in a separate ledger: the free budget is the pool minus reservations minus that ledger, and
+its state is reclaimed (least recently used first) before an admission waits or a decode step preempts. A request
+that resumes some of it (a chain continuation, a prefix-cache hit) starts its prefill after the resumed tokens, and
+the resumed pages move from that ledger into its reservation.
+
 The prefill path comes from the method (``prefill_mode``): "chunked" methods are fed chunks of any size;
 "aligned" methods exactly ``prefill_chunk_size`` tokens per chunk (the last one shorter), as ``generate()``
 feeds them; "whole" methods the whole remaining prompt in one forward. A fixed-size chunk waits for a step
@@ -26,6 +32,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..runtime.contract import PrefillMode
 from ..runtime.memory_oracle import MemoryOracle
@@ -44,7 +51,11 @@ class Request:
     """One request's scheduling state; tokens are host lists.
 
     ``prefill_ids`` is what (re)admission feeds: the prompt, or after a preemption prompt + output so far.
-    ``num_decoded`` counts decode steps since that prefill (the oracle's ``generated``).
+    ``num_decoded`` counts decode steps since that prefill (the oracle's ``generated``). ``num_computed``: tokens
+    whose KV the request's row holds (``prompt_ids + output_ids`` in order; the last sampled token is not fed yet).
+    ``chain_id``: the session whose idle state a continuation resumes and under which the finished state stays.
+    ``resumed``: per-layer slots of a reattached chain row at admission; ``prompt_slots``: the row's slots when
+    such a resumed prompt ended (reservations follow them instead of the oracle's fresh-prompt model).
     """
 
     request_id: str
@@ -61,6 +72,12 @@ class Request:
     reserved: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    chain_id: str | None = None
+    num_computed: int = 0
+    resumed: list[int] | None = None
+    prompt_slots: list[int] | None = None
+    chain: Any = None  # the reattached chain record (reuse.py)
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks (a memo)
 
     def __post_init__(self) -> None:
         if not self.prefill_ids:
@@ -75,6 +92,41 @@ class Request:
     def max_new_tokens(self) -> int:
         """Decode steps still allowed after the current (re)prefill."""
         return self.params.max_tokens - len(self.output_ids)
+
+
+@dataclass
+class Resume:
+    """What admitting a request reuses (:meth:`ReuseIndex.lookup`; committed by :meth:`ReuseIndex.attach`).
+
+    ``tokens``: prompt tokens whose KV is reused (the prefill starts there); ``idle_pages``: pages that leave the
+    reclaimable ledger for the request's reservation; ``resident``: per-layer slots of a reattached chain row (its
+    cost follows them), None for a prefix hit (full KV: the fresh prompt's cost); ``miss``: why a request with a
+    chain id did not reattach one. ``chain`` / ``blocks``: the reused records (owned by the index).
+    """
+
+    tokens: int = 0
+    idle_pages: int = 0
+    resident: list[int] | None = None
+    miss: str | None = None
+    chain: Any = None
+    blocks: list = field(default_factory=list)
+
+
+class ReuseIndex(Protocol):
+    """Idle state that requests can resume and the scheduler can reclaim (``reuse.KVReuse``)."""
+
+    def reclaimable_pages(self) -> int:
+        """Pages held by idle state (no request reserved them)."""
+
+    def lookup(self, request: Request) -> Resume | None:
+        """What ``request`` would resume if admitted now (no state change that a later admission depends on)."""
+
+    def attach(self, request: Request, resume: Resume) -> None:
+        """Admit with ``resume``: set ``request.row`` (when reused), ``num_prefilled`` and ``num_computed``."""
+
+    def reclaim(self, pages: int, protect: Resume | None) -> int:
+        """Free idle state, least recently used first, until ``pages`` left the ledger (or nothing is left; never
+        what ``protect`` resumes); returns the pages that left it."""
 
 
 @dataclass
@@ -106,11 +158,12 @@ class Scheduler:
 
     def __init__(self, oracle: MemoryOracle, num_pages: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk_size: int, prefill_mode: PrefillMode | str, max_model_len: int,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, reuse: ReuseIndex | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs; got "
                              f"{max_num_seqs} and {max_num_batched_tokens}")
         self.oracle = oracle
+        self.reuse = reuse
         self.capacity = oracle.resources(num_pages)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -125,7 +178,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ ledger
     def free(self) -> dict[str, int]:
-        return {name: total - self.reserved[name] for name, total in self.capacity.items()}
+        """Budgets left: the pool minus reservations minus the pages idle state holds (reclaimable)."""
+        idle = {"kv_pages": self.reuse.reclaimable_pages()} if self.reuse is not None else {}
+        return {name: total - self.reserved[name] - idle.get(name, 0) for name, total in self.capacity.items()}
 
     def _set_reservation(self, request: Request, cost: dict[str, int]) -> None:
         for name in self.reserved:
@@ -136,10 +191,35 @@ class Scheduler:
         return {"kv_pages": self.oracle.pages_for(slots_per_layer)}
 
     def _resident(self, request: Request) -> list[int]:
-        return self.oracle.resident_slots_per_layer(len(request.prefill_ids), request.num_decoded)
+        n = len(request.prefill_ids)
+        if request.prompt_slots is not None:
+            return self.oracle.resumed_resident_slots(request.prompt_slots, n, request.num_decoded)
+        return self.oracle.resident_slots_per_layer(n, request.num_decoded)
 
-    def _prefill_cost(self, request: Request) -> dict[str, int]:
-        return self._pages(self.oracle.peak_slots_per_layer(len(request.prefill_ids), 0))
+    def _step_cost(self, request: Request) -> dict[str, int]:
+        if request.prompt_slots is None:
+            return self.oracle.step_cost(len(request.prefill_ids), request.num_decoded, 1)
+        now = self._resident(request)
+        return {"kv_pages": self.oracle.pages_for([s + 1 for s in now]) - self.oracle.pages_for(now)}
+
+    def _prefill_cost(self, request: Request, resume: Resume | None = None) -> dict[str, int]:
+        n = len(request.prefill_ids)
+        if resume is not None and resume.resident is not None:
+            return self._pages(self.oracle.resumed_peak_slots(resume.resident, n, n - resume.tokens))
+        return self._pages(self.oracle.peak_slots_per_layer(n, 0))
+
+    def _fits_after_reclaim(self, cost: dict[str, int], protect: Resume | None, watermark: bool) -> bool:
+        """``cost`` fits what is free (less the watermark), after reclaiming idle state if it must."""
+        def room() -> dict[str, int]:
+            free = self.free()
+            return {k: v - self.watermark.get(k, 0) for k, v in free.items()} if watermark else free
+
+        if self.oracle.fits(cost, room()):
+            return True
+        if self.reuse is None:
+            return False
+        short = max(cost.get(k, 0) - v for k, v in room().items())
+        return self.reuse.reclaim(short, protect) > 0 and self.oracle.fits(cost, room())
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -177,7 +257,8 @@ class Scheduler:
         self._set_reservation(request, {})
         request.status = RequestStatus.WAITING
         request.prefill_ids = request.prompt_ids + request.output_ids
-        request.num_prefilled = request.num_decoded = 0
+        request.num_prefilled = request.num_decoded = 0  # num_computed stays: the engine caches what it held
+        request.resumed = request.prompt_slots = None
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -192,8 +273,10 @@ class Scheduler:
         decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
         # 1. decode reservations (a decoding request reserves its resident pages between steps; a step adds the
         #    oracle's step cost); preempt the newest admissions until they fit
-        need = {r: self.oracle.step_cost(len(r.prefill_ids), r.num_decoded, 1) for r in decoding}
+        need = {r: self._step_cost(r) for r in decoding}
         while decoding and not self.oracle.fits(_summed(need.values()), self.free()):
+            if self._fits_after_reclaim(_summed(need.values()), None, watermark=False):
+                break
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
@@ -210,22 +293,31 @@ class Scheduler:
                 budget -= self._add_chunk(out, r, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            cost = self._prefill_cost(r)
-            room = {k: v - self.watermark.get(k, 0) for k, v in self.free().items()}
-            if not self.oracle.fits(cost, room) and (self.running or not self.oracle.fits(cost, self.free())):
+            if r in out.preempted:  # its row is released after this call (and its blocks cached): next step
                 break
-            if self._chunk_size(r, budget, first=not out.prefill) == 0:
+            resume = self.reuse.lookup(r) if self.reuse is not None else None
+            start = resume.tokens if resume is not None else 0
+            if self._chunk_size(r, budget, first=not out.prefill, start=start) == 0:
+                break
+            cost = self._prefill_cost(r, resume)
+            brought = resume.idle_pages if resume is not None else 0
+            net = {k: v - (brought if k == "kv_pages" else 0) for k, v in cost.items()}
+            if not self._fits_after_reclaim(net, resume, watermark=bool(self.running)):
                 break
             self.waiting.popleft()
+            r.num_prefilled = r.num_computed = 0
+            if resume is not None:
+                self.reuse.attach(r, resume)
             self._set_reservation(r, cost)
             r.status = RequestStatus.PREFILLING
             self.running.append(r)
             budget -= self._add_chunk(out, r, budget)
         return out
 
-    def _chunk_size(self, request: Request, budget: int, first: bool = False) -> int:
-        """Tokens of ``request``'s prompt to feed now (0: wait); ``first``: no other prefill in this step yet."""
-        left = len(request.prefill_ids) - request.num_prefilled
+    def _chunk_size(self, request: Request, budget: int, first: bool = False, start: int | None = None) -> int:
+        """Tokens of ``request``'s prompt to feed now (0: wait); ``first``: no other prefill in this step yet;
+        ``start``: where its prefill would start (a request not admitted yet: after what it resumes)."""
+        left = len(request.prefill_ids) - (request.num_prefilled if start is None else start)
         if self.prefill_mode is PrefillMode.CHUNKED:
             return min(left, budget, self.prefill_chunk_size)
         size = left if self.prefill_mode is PrefillMode.WHOLE else min(left, self.prefill_chunk_size)
@@ -238,19 +330,26 @@ class Scheduler:
         return size
 
     # ------------------------------------------------------------------ after the step ran
-    def chunk_done(self, chunk: PrefillChunk) -> None:
-        """The engine ran ``chunk``; a final chunk turns the request to decoding, its reservation to resident."""
+    def chunk_done(self, chunk: PrefillChunk, slots: list[int] | None = None) -> None:
+        """The engine ran ``chunk``; a final chunk turns the request to decoding, its reservation to resident.
+
+        ``slots``: the row's per-layer slot counts after a final chunk, measured: what stays resident then follows
+        them rather than the oracle's model of a fresh prompt (a chain continuation resumed a compacted prefix; KVzip's
+        global selection keeps a data-dependent number per layer)."""
         r = chunk.request
-        r.num_prefilled = chunk.stop
+        r.num_prefilled = r.num_computed = chunk.stop
         r.metrics.num_prefill_chunks += 1
         if chunk.final:
             r.status = RequestStatus.DECODING
             r.num_decoded = 0
+            if slots is not None:
+                r.prompt_slots = list(slots)
             self._set_reservation(r, self._pages(self._resident(r)))
 
     def decode_done(self, request: Request) -> None:
         """The engine ran one decode step of ``request``: shrink its reservation to what stays resident."""
         request.num_decoded += 1
+        request.num_computed += 1
         self._set_reservation(request, self._pages(self._resident(request)))
 
 

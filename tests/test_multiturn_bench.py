@@ -1,0 +1,33 @@
+"""benchmarks/multiturn.py runs end to end on CPU (tiny model, no compile): every arm replays the whole trace, reuse
+cuts the prefill work, and the rows and table are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import multiturn  # noqa: E402
+
+
+def test_multiturn_benchmark_smoke(tmp_path, capsys):
+    out = tmp_path / "multiturn.jsonl"
+    argv = ["--device", "cpu", "--tiny", "--methods", "vanilla,snapkv", "--conversations", "2", "--turns", "2",
+            "--min-tool", "16", "--max-tool", "40", "--min-output", "2", "--max-output", "4", "--first-prompt", "8",
+            "--tool-wait", "0,0.01", "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk", "32",
+            "--out", str(out)]
+    assert multiturn.main(argv) == 0
+    header, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert header["trace"]["conversations"] == 2
+    assert [(r["method"], r["arm"]) for r in rows] == [("vanilla", "none"), ("vanilla", "prefix"),
+                                                       ("snapkv", "none"), ("snapkv", "chain")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["turns_done"] == 4 and not row["timed_out"]
+        assert row["generated_tokens"] == rows[0]["generated_tokens"]
+    assert rows[0]["prefill_tokens"] == rows[0]["prompt_tokens_logical"]  # no reuse: every turn recomputed
+    assert rows[1]["prefill_tokens"] < rows[1]["prompt_tokens_logical"] and rows[1]["prefix_hit_tokens"] > 0
+    assert rows[3]["chain_hits"] == 2 and rows[3]["prefill_tokens"] < rows[2]["prefill_tokens"]
+    assert "| snapkv | chain |" in capsys.readouterr().out
