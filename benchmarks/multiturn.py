@@ -14,14 +14,20 @@ Arms, per method (one ``LLM`` per method, its decode compiled once; the arms run
 * ``none``: every turn's prompt is prefilled from scratch (what a server without reuse does);
 * ``chain``: each session passes its ``chain_id``: the idle KV (compressed, for eviction methods) is reattached and
   only the new tokens are prefilled;
-* ``prefix``: ``enable_prefix_caching`` (methods that keep every token): full pages of the history are shared.
+* ``prefix``: ``enable_prefix_caching`` (methods that keep every token): full pages of the history are shared;
+* ``prune`` (eviction methods): ``chain``, and when a tool result arrives, the one from ``--prune-lag`` turns ago
+  is pruned to ``--prune-ratio`` of its tokens with KVzip scoring (``LLM.prune``; page-aligned inside the result).
 
 Reported per arm: end-to-end time, prompt tokens computed (prefill work) against the trace's logical prompt
 tokens, KV pages in use at the peak (all of them, and without idle reusable state) and on average over time, turn
-latency and TTFT, chain / prefix hits, preemptions. JSON lines go to
+latency and TTFT, chain / prefix hits, preemptions, prunes (count, seconds, pages freed). JSON lines go to
 ``--out`` (a header, then one row per arm); a table is printed last, with each arm's speedup over
 ``vanilla``/``none`` and ``vanilla``/``prefix``. Each arm runs in try/except (an error is
 recorded in its row) and stops at ``--arm-timeout`` seconds (recorded as ``timed_out``).
+
+``--kvzip-cost 8192,32768``: before the arms, the prefill (time to first token, ``model(ids, logits_to_keep=1)``
+after ``optimize``) of one prompt of each length for ``vanilla``, ``snapkv`` and ``kvzip`` (ratio 0.3, its
+reconstruction passes included): rows ``{"kvzip_cost": ...}`` and a second table.
 
 Model: the Llama-3.1-8B shape with random bf16 weights on CUDA (``decode.build_model``), or ``--tiny`` on CPU.
 Sizing on one H200: the default trace (32 x 8 turns of 2K-8K tool tokens) recomputes ~10M prompt tokens without
@@ -52,9 +58,11 @@ from serving import StubTokenizer, make_model  # noqa: E402
 
 import sparsecompile  # noqa: E402
 from sparsecompile import LLM, SamplingParams  # noqa: E402
+from sparsecompile.serving.prune import PruneRejected, PruneSpec  # noqa: E402
 
 GiB = 2**30
-DEFAULT_ARMS = {"vanilla": "none,prefix", "quest": "none,prefix", "omnikv": "none,prefix", "snapkv": "none,chain",
+DEFAULT_ARMS = {"vanilla": "none,prefix", "quest": "none,prefix", "omnikv": "none,prefix",
+                "snapkv": "none,chain,prune",
                 "pyramidkv": "none,chain", "h2o": "none,chain", "streamingllm": "none,chain"}
 METHOD_OPTIONS = {"vanilla": {}, "quest": {"budget": 2048}, "omnikv": {"budget": 2048}, "snapkv": {"budget": 2048},
                   "pyramidkv": {"budget": 2048}, "h2o": {"budget": 2048}, "streamingllm": {"budget": 2048}}
@@ -73,6 +81,7 @@ class Session:
     outputs: list[int]
     history: list[int] = field(default_factory=list)
     turn: int = 0
+    spans: list[tuple[int, int]] = field(default_factory=list)  # positions of each tool result in the history
 
 
 def make_trace(args: argparse.Namespace) -> list[Session]:
@@ -109,6 +118,8 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
     latencies, ttfts, logical_prompt = [], [], 0
     peak_used = peak_active = 0
     page_seconds, last_sample = 0.0, None  # pages in use integrated over time
+    prunes = {"count": 0, "seconds": 0.0, "freed_pages": 0, "rejected": 0}
+    page = engine.manager.layout.page_size
     _sync(args.device)
     start = time.monotonic()
     deadline = start + args.arm_timeout if args.arm_timeout else None
@@ -118,12 +129,15 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
         while ready and ready[0][0] <= now:
             _, index = heapq.heappop(ready)
             s = sessions[index]
+            if arm == "prune" and s.turn >= args.prune_lag:
+                _prune(llm, s, s.spans[s.turn - args.prune_lag], page, args.prune_ratio, prunes)
+            s.spans.append((len(s.history), len(s.history) + len(s.tools[s.turn])))
             s.history = s.history + s.tools[s.turn]
             logical_prompt += len(s.history)
             request_id = f"{method}-{arm}-{s.index}-{s.turn}"
             params = SamplingParams(temperature=0, max_tokens=s.outputs[s.turn], ignore_eos=True)
             engine.add_request(request_id, list(s.history), params,
-                               **({"chain_id": f"s{s.index}"} if arm == "chain" else {}))
+                               **({"chain_id": f"s{s.index}"} if arm in ("chain", "prune") else {}))
             live[request_id] = (s, time.monotonic())
         if not live:
             time.sleep(max(0.0, min(ready[0][0] - now, 0.05)))
@@ -167,6 +181,8 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
                peak_GiB_used=peak_used * page_bytes / GiB, peak_GiB_active=peak_active * page_bytes / GiB,
                mean_pages_used=page_seconds / wall if wall else 0.0,
                mean_GiB_used=page_seconds / wall * page_bytes / GiB if wall else 0.0,
+               prunes=prunes["count"], prune_s=prunes["seconds"], prune_freed_pages=prunes["freed_pages"],
+               prunes_rejected=prunes["rejected"],
                preemptions=after.num_preemptions - before.num_preemptions,
                chain_hits=r.chain_hits - before.reuse.chain_hits,
                chain_misses={k: v - before.reuse.chain_misses.get(k, 0) for k, v in r.chain_misses.items()},
@@ -178,6 +194,22 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
                     f"{name}_p99_s": float(np.percentile(a, 99))})
     engine.release_idle()
     return row
+
+
+def _prune(llm: LLM, s: Session, span: tuple[int, int], page: int, ratio: float, prunes: dict) -> None:
+    """Prune a tool result of session ``s``'s idle chain (its pages inside the result) to ``ratio`` with KVzip."""
+    lo, hi = -(-span[0] // page) * page, span[1] // page * page
+    if hi <= lo:
+        return
+    start = time.perf_counter()
+    try:
+        result = llm.llm_engine.prune(PruneSpec([(lo, hi)], int(ratio * (hi - lo)), "kvzip", chain_id=f"s{s.index}"))
+    except PruneRejected:  # e.g. the chain was reclaimed for memory: nothing to prune
+        prunes["rejected"] += 1
+        return
+    prunes["count"] += 1
+    prunes["seconds"] += time.perf_counter() - start
+    prunes["freed_pages"] += result.freed_pages
 
 
 def method_rows(model: torch.nn.Module, method: str, arms: list[str], args: argparse.Namespace) -> list[dict]:
@@ -219,6 +251,35 @@ def method_rows(model: torch.nn.Module, method: str, arms: list[str], args: argp
     return rows
 
 
+def kvzip_cost(model: torch.nn.Module, contexts: list[int], args: argparse.Namespace) -> list[dict]:
+    """Prefill seconds of one prompt per context for vanilla, snapkv and kvzip (after a warm-up prompt each)."""
+    rows = []
+    for method, options in (("vanilla", {}), ("snapkv", {"budget": 2048}), ("kvzip", {"ratio": 0.3})):
+        for context in contexts:
+            row = {"kvzip_cost": True, "method": method, "options": options, "context": context}
+            try:
+                sparsecompile.optimize(model, method, compile=False, prefill_chunk_size=args.chunk, **options)
+                for n in (min(context, 1024), context):  # warm-up, then timed
+                    ids = torch.randint(3, 1000, (1, n), device=args.device)
+                    _sync(args.device)
+                    start = time.perf_counter()
+                    out = model(input_ids=ids, logits_to_keep=1)
+                    _sync(args.device)
+                    seconds = time.perf_counter() - start
+                    (out["cache"] if "cache" in out else out["past_key_values"]).release()
+                row["seconds"] = seconds
+            except Exception as err:  # noqa: BLE001 - recorded (e.g. out of memory); the others go on
+                row["error"] = repr(err)
+            sparsecompile.restore(model)
+            gc.collect()
+            rows.append(row)
+    base = {r["context"]: r.get("seconds") for r in rows if r["method"] == "vanilla"}
+    for r in rows:
+        if r.get("seconds") and base.get(r["context"]):
+            r["vs_vanilla"] = r["seconds"] / base[r["context"]]
+    return rows
+
+
 def table(rows: list[dict], header: dict) -> str:
     base = {arm: next((r for r in rows if r["method"] == "vanilla" and r.get("arm") == arm and "error" not in r),
                       None) for arm in ("none", "prefix")}
@@ -231,16 +292,20 @@ def table(rows: list[dict], header: dict) -> str:
             lines.append(f"| {r['method']} | {r['arm']} | error: {r['error'][:80]} |" + " |" * 10)
             continue
         speed = [f"{b['wall_s'] / r['wall_s']:.2f}x" if b else "-" for b in (base["none"], base["prefix"])]
-        hits = r["chain_hits"] if r["arm"] == "chain" else r["prefix_hit_tokens"]
+        hits = r["prefix_hit_tokens"] if r["arm"] == "prefix" else r["chain_hits"]
         wall = f"{r['wall_s']:.1f}" + (" (timed out)" if r["timed_out"] else "")
         lines.append(f"| {r['method']} | {r['arm']} | {wall} | {r['prefill_tokens']:,} | "
                      f"{r['prompt_tokens_logical']:,} | {r['peak_GiB_used']:.2f} ({r['peak_GiB_active']:.2f}) | "
                      f"{r['mean_GiB_used']:.2f} | "
                      f"{r['turn_latency_p50_s']:.2f} | {r['ttft_mean_s']:.2f} | {hits:,} | {r['preemptions']} | "
                      f"{speed[0]} | {speed[1]} |")
-    lines += ["", "hits: chain continuations (chain) or prompt tokens found in the prefix cache (prefix); peak "
+    lines += ["", "hits: chain continuations (chain, prune) or prompt tokens found in the prefix cache (prefix); peak "
                   "GiB: KV pages in use at the peak, and in parentheses without idle reusable state; mean GiB: pages "
                   "in use averaged over the run."]
+    for r in rows:
+        if r.get("arm") == "prune" and "error" not in r:
+            lines.append(f"{r['method']} prune: {r['prunes']} prunes in {r['prune_s']:.2f} s, "
+                         f"{r['prune_freed_pages']:,} pages freed, {r['prunes_rejected']} refused.")
     return "\n".join(lines) + "\n"
 
 
@@ -253,12 +318,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         kind = str if name == "tool_wait" else int
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {default}")
     parser.add_argument("--quick", action="store_true", help=f"a smaller trace: {QUICK}")
+    parser.add_argument("--prune-lag", type=int, default=4, help="prune arm: the tool result of this many turns ago")
+    parser.add_argument("--prune-ratio", type=float, default=0.2, help="prune arm: fraction of its tokens kept")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk size")
     parser.add_argument("--kv-cache-memory", type=float, default=None)
     parser.add_argument("--arm-timeout", type=float, default=0, help="stop an arm after this many seconds (0: none)")
+    parser.add_argument("--kvzip-cost", default="", help="contexts (comma list) for the KVzip prefill-cost rows")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--tiny", action="store_true", help="tiny hidden sizes (CPU smoke runs)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -289,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as out:
         out.write(json.dumps(header) + "\n")
         print(json.dumps(header), flush=True)
+        cost = []
+        if args.kvzip_cost:
+            cost = kvzip_cost(model, [int(x) for x in args.kvzip_cost.split(",")], args)
+            for row in cost:
+                out.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
         for method in methods:
             arms = (args.arms or DEFAULT_ARMS.get(method, "none,chain")).split(",")
             for row in method_rows(model, method, arms, args):
@@ -298,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
                 out.flush()
                 print(json.dumps(row), flush=True)
     print(table(rows, header), flush=True)
+    if cost:
+        print("| method | context | prefill s | vs vanilla |\n|---|---|---|---|", flush=True)
+        for r in cost:
+            print(f"| {r['method']} | {r['context']} | {r.get('seconds', float('nan')):.3f} | "
+                  f"{r.get('vs_vanilla', float('nan')):.2f}x |" if "error" not in r else
+                  f"| {r['method']} | {r['context']} | error: {r['error'][:60]} | |", flush=True)
     return 0
 
 

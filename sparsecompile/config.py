@@ -138,6 +138,12 @@ class MethodConfig:
         return field_names(cls)
 
     @classmethod
+    def text_options(cls) -> dict[str, str]:
+        """Token-id options whose default is a text: ``{option: text}``. A caller holding a tokenizer
+        (``sparsecompile.LLM``) fills each one left unset with the text's ids (no special tokens added)."""
+        return {}
+
+    @classmethod
     def from_options(cls, method: str, options: dict[str, Any]) -> MethodConfig:
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:

@@ -53,6 +53,7 @@ class LLM:
             if serving.model_name is None:
                 serving.model_name = (str(model_or_path) if model_or_path is not None
                                       else resolve_model_path(None).name)
+        _fill_text_options(method, routed["method"], tokenizer)
         optimize(model, method=method, **routed["engine"], **routed["method"])
         self.llm_engine = LLMEngine(model, tokenizer, serving)
         self._ids = itertools.count()
@@ -114,6 +115,21 @@ class LLM:
         """Free an idle conversation's KV now (False: no idle chain under that id)."""
         return self.llm_engine.drop_chain(chain_id)
 
+    def prune(self, target: str | Sequence[int], ranges: Sequence[tuple[int, int]], keep_tokens: int,
+              policy: str = "kvzip"):
+        """Interval pruning of an idle conversation: in each layer and KV head keep at most ``keep_tokens`` of the
+        entries whose positions fall in ``ranges`` (half-open, page-aligned ``[L, R)``; one budget for all; 0 drops
+        them), chosen by ``policy`` ("kvzip" or "snapkv"). ``target``: a chain id, or its complete token ids.
+        Returns a ``PruneResult`` (entries removed, pages freed); raises ``PruneRejected`` with the reason, having
+        changed nothing. Later continuations still match the full token history and report
+        ``metrics.compressed_history``."""
+        from .serving.prune import PruneSpec
+
+        spec = PruneSpec([tuple(r) for r in ranges], keep_tokens, policy,
+                         chain_id=target if isinstance(target, str) else None,
+                         token_ids=None if isinstance(target, str) else list(target))
+        return self.llm_engine.prune(spec)
+
     def reset_prefix_cache(self) -> int:
         """Evict every cached prefix block no request uses (``enable_prefix_caching``); returns the pages freed."""
         return self.llm_engine.reset_prefix_cache()
@@ -142,3 +158,17 @@ class LLM:
                 bar.close()
         return [finished[i] for i in ids]
 
+
+def _fill_text_options(method: str, options: dict[str, Any], tokenizer) -> None:
+    """The method's token-id options that default to a text (KVzip's repeat prompt), from the tokenizer."""
+    from .methods.registry import method_class
+
+    encode = getattr(tokenizer, "encode", None)
+    if encode is None:
+        return
+    for name, text in method_class(method).config_class.text_options().items():
+        if options.get(name) is None:
+            try:
+                options[name] = list(encode(text, add_special_tokens=False))
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot encode text: the method's default applies
+                return

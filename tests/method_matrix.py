@@ -14,4 +14,5 @@ DENSE_EQUIVALENT = {
     "snapkv": {"budget": 64},
     "pyramidkv": {"budget": 64},
     "h2o": {"budget": 64},
+    "kvzip": {"budget": 64},
 }

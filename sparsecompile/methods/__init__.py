@@ -8,6 +8,7 @@ from ..config import MethodConfig, MethodConfigError
 from ..runtime.contract import LayerContext, PrefillMode, SparseMethod
 from . import (
     h2o,  # noqa: F401  (registers)
+    kvzip,  # noqa: F401  (registers)
     omnikv,  # noqa: F401  (registers)
     pyramidkv,  # noqa: F401  (registers)
     quest,  # noqa: F401  (registers)

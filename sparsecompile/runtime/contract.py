@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -78,6 +78,25 @@ class LayerContext:
     lse: torch.Tensor | None = None
 
 
+class Scorer(Protocol):
+    """What a scoring pass runs at every layer (``SparseController.score_pass``), in place of the method's hooks."""
+
+    def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
+        """``ctx.query``: the pass's queries; ``ctx.view``: every resident slot plus the pass's temporary ones."""
+
+
+@dataclass
+class ScoringPass:
+    """Extra forwards a method asks for once prompts end (KVzip's context reconstruction): ``token_ids[i]`` is fed
+    to ``rows[i]`` at positions ``first_positions[i]`` onwards, after everything resident; the tokens' KV lives in
+    temporary slots that are dropped after the forward, and ``scorer`` sees every layer."""
+
+    rows: list[int]
+    token_ids: list[list[int]]
+    first_positions: list[int]
+    scorer: Scorer
+
+
 class SparseMethod:
     """Hooks of one method. The default implementation is dense attention over every resident slot."""
 
@@ -93,6 +112,9 @@ class SparseMethod:
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True
+    #: The controller gives ``prepare_step`` each prefill row's token ids (``StepState.prompt_tokens``; one host copy
+    #: of the chunk's ids per prefill forward), for methods that re-read the prompt.
+    needs_prompt_tokens: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config
@@ -124,6 +146,14 @@ class SparseMethod:
     def on_truncate(self, manager: CacheManager, rows: list[int]) -> None:
         """``rows`` were cropped to fewer slots (only for ``keeps_all_tokens`` methods): fix per-row state and
         metadata that covered the removed slots."""
+
+    def scoring_passes(self, manager: CacheManager, rows: list[int]) -> list[ScoringPass]:
+        """Host, once the prompts of ``rows`` ended (their last chunk's step is committed): extra forwards to run now,
+        in order (:class:`ScoringPass`); :meth:`scoring_done` follows when there were any."""
+        return []
+
+    def scoring_done(self, manager: CacheManager, rows: list[int]) -> None:
+        """Host, after the scoring passes of ``rows`` ran (e.g. evict with the scores they left)."""
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         """KV reached the pool without a prefill through this method (a KV import, a synthetic benchmark

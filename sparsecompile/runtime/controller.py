@@ -21,7 +21,7 @@ from ..kernels import paged_attention, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_step
-from .contract import LayerContext, PrefillMode, SparseMethod
+from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .step import StepState
 
 InnerForward = Callable[..., torch.Tensor]
@@ -203,6 +203,13 @@ class SparseController:
             self.attention_calls += 1
         new_slots = m.write(layer, step, key, value)
         ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
+        if step.scorer is not None:  # a scoring pass: dense over everything resident, the scorer instead of hooks
+            ctx.view = view = m.build_view(layer, step, None)
+            out, ctx.lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                                   view.lengths, step.positions, step.num_new, view.block_size,
+                                                   scale, sliding_window)
+            step.scorer.on_attention_end(ctx, out)
+            return out
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
         ctx.view = view = m.build_view(layer, step, selection)
         if step.is_prefill:  # tensor-core prefill kernel; its log-sum-exp serves the methods' scoring
@@ -259,22 +266,74 @@ class SparseController:
         tokens = positions.shape[1]
         chunk = self.prefill_chunk or tokens
         outputs = []
+        if self.runtime.needs_prompt_tokens and input_ids is None:
+            raise ValueError(f"{self.runtime.name} re-reads the prompt's token ids: pass input_ids, not inputs_embeds")
         for start in range(0, tokens, chunk):
             stop = min(tokens, start + chunk)
             last = stop == tokens
             step = StepState.build(rows, valid[:, start:stop], positions[:, start:stop], is_prefill=True,
                                    is_last_chunk=[last and f for f in finals], device=self.layout.device)
+            if self.runtime.needs_prompt_tokens:
+                step.prompt_tokens = _valid_tokens(input_ids[:, start:stop], valid[:, start:stop],
+                                                   positions[:, start:stop])
             keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
             self._begin(step)
             logits = self._run(inner, step, input_ids=None if input_ids is None else input_ids[:, start:stop],
                                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
                                position_ids=positions[:, start:stop], logits_to_keep=keep)
             self._end(step)
+            if step.is_last_chunk:
+                self._after_prompts(inner, [r for r, done in zip(rows, step.ends_prompt) if done])
             if logits_to_keep == 0 or last:
                 outputs.append(logits)
             if progress is not None:
                 progress(stop - start)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _after_prompts(self, inner: InnerForward, rows: list[int]) -> None:
+        """The method's scoring passes for prompts that just ended (KVzip's reconstruction), then its verdict."""
+        passes = self.runtime.scoring_passes(self.manager, rows)
+        for p in passes:
+            self.score_pass(inner, p.rows, p.token_ids, p.first_positions, p.scorer)
+        if passes:
+            self.runtime.scoring_done(self.manager, rows)
+
+    @torch.no_grad()
+    def score_pass(self, inner: InnerForward, rows: list[int], token_ids: list[list[int]],
+                   first_positions: list[int], scorer: Scorer) -> None:
+        """Feed ``token_ids[i]`` to ``rows[i]`` at positions ``first_positions[i]..`` (a left-padded batch) after
+        everything resident, attending densely; ``scorer.on_attention_end`` sees every layer and the method's hooks
+        do not run. The tokens' KV goes to temporary slots after each row's resident ones, dropped afterwards (their
+        pages go back): nothing resident changes except what the scorer itself writes."""
+        m, device = self.manager, self.layout.device
+        width = max(len(t) for t in token_ids)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, (t, first) in enumerate(zip(token_ids, first_positions)):
+            ids[i, width - len(t):] = torch.tensor(t, dtype=torch.long)
+            positions[i, width - len(t):] = torch.arange(first, first + len(t))
+            valid[i, width - len(t):] = True
+        step = StepState.build(rows, valid, positions, is_prefill=True, is_last_chunk=False, device=device)
+        step.scorer = scorer
+        before = self._make_room(step)
+        try:
+            if m.has_shared_rows(rows):  # appends only: the shared tail pages are copied
+                short = m.pages_to_copy(rows, before) - m.allocator.num_free
+                if short > 0 and self.config.num_pages is None:
+                    m.grow(_bucket(m.num_pages + short), m.max_seqs, m.max_pages_per_seq)
+                    self._decode_steps.clear()
+                m.prepare_writes(rows, before)
+            m.flush()
+            self.step = step
+            inner(input_ids=ids.to(device, non_blocking=True), inputs_embeds=None,
+                  position_ids=step.positions.clamp(min=0), logits_to_keep=1)
+        finally:
+            self.step = None
+            for i, row in enumerate(rows):
+                for layer in range(self.layout.num_layers):
+                    m.truncate(row, layer, int(before[i, layer]))
+            m.flush()
 
     @torch.no_grad()
     def decode(self, inner: InnerForward, rows: list[int], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -340,3 +399,14 @@ class SparseController:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
         self.decode_backend = backend
         self._compiled_decode = compile_step(self._decode_eager, backend)
+
+
+def _valid_tokens(ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """Per row, ``(first position, ids)`` of its valid tokens (one host copy of the chunk)."""
+    ids, valid, positions = ids.cpu(), valid.cpu(), positions.cpu()
+    out = []
+    for i in range(ids.shape[0]):
+        mask = valid[i]
+        kept = positions[i][mask]
+        out.append((int(kept[0]) if kept.numel() else 0, ids[i][mask].tolist()))
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,10 @@ class StepState:
             batches the chunks of several prompts in one forward, so rows differ.
         is_last_chunk: some row's prompt ends here.
         row_ids / num_new_host: host copies of ``rows`` and ``num_new``.
+        prompt_tokens: per row, ``(first position, token ids)`` of its valid new tokens, set by the controller for
+            methods that read the prompt's ids (``SparseMethod.needs_prompt_tokens``); None otherwise.
+        scorer: a scoring pass (``SparseController.score_pass``): its tokens' KV is temporary, every layer attends
+            over all resident slots and ``scorer.on_attention_end`` runs instead of the method's layer hooks.
     """
 
     rows: torch.Tensor
@@ -34,6 +39,8 @@ class StepState:
     ends_prompt: list[bool]
     row_ids: list[int]
     num_new_host: list[int]
+    prompt_tokens: list[tuple[int, list[int]]] | None = None
+    scorer: Any = None
 
     @property
     def is_last_chunk(self) -> bool:

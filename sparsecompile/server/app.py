@@ -43,6 +43,7 @@ from .protocol import (
     ModelList,
     UsageInfo,
 )
+from .prune_routes import add_prune_routes
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                 503: "service_unavailable", 500: "internal_server_error"}
@@ -280,6 +281,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
 
         return await respond(request, stream, body.stream, sse_body, build)
 
+    add_prune_routes(app, bridge)  # interval pruning of idle state (prune_routes.py)
     return app
 
 

@@ -27,6 +27,7 @@ from ..models.support import UnsupportedModelError
 from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestRejected, SamplingParams
+from .prune import Pruner, PruneResult, PruneSpec
 from .reuse import KVReuse, ReuseStats, fingerprint
 from .sampling import make_generator, sample
 from .scheduler import PrefillChunk, Request, Scheduler
@@ -91,6 +92,7 @@ class LLMEngine:
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=chunk,
                                    prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len,
                                    reuse=self.reuse)
+        self.pruner = Pruner(self)
         sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
@@ -185,6 +187,19 @@ class LLMEngine:
         """Free every idle chain and every idle prefix block."""
         self.reuse.release_idle()
 
+    def prune(self, spec: PruneSpec) -> PruneResult:
+        """Interval pruning of an idle chain now (``prune.py``); raises ``PruneRejected`` with the reason (nothing
+        changed), ``PruneBlocked`` when the state is in use."""
+        return self.pruner.prune(spec)
+
+    def submit_prune(self, spec: PruneSpec) -> PruneResult:
+        """Like :meth:`prune`, but a prune of state in use waits (``blocked``) and runs once it is idle; the result
+        (``status`` pending / blocked / completed / failed) is kept under its ``prune_id``."""
+        return self.pruner.submit(spec)
+
+    def prune_status(self, prune_id: str) -> PruneResult | None:
+        return self.pruner.status(prune_id)
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; returns the requests that changed (new tokens, finished, aborted)."""
@@ -276,6 +291,8 @@ class LLMEngine:
         self.scheduler.finish(r, reason, stop)
         self.reuse.finish(r, keep=reason in ("stop", "length"))  # parks a chain, caches blocks, frees the row
         r.metrics.finished_time = time.monotonic()
+        if self.pruner.has_blocked:  # a prune waiting for this state runs now that it is idle
+            self.pruner.retry()
         del self._live[r.request_id]
 
     def _release(self, requests: list[Request]) -> None:
