@@ -23,9 +23,9 @@ from ..passes.sdpa_rewrite import sdpa_rewrite_backend
 from ..runtime.compilation import compile_dynamic
 from ..runtime.controller import SparseController
 from .attention import CONTROLLER_ATTR
+from .fast_generate import MODEL_CACHE_FIELD, SparseSampleLoop
 from .hf_cache import SparseCache
 
-_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 # Arguments the patched forward consumes itself; anything else is passed to the original forward.
 _CONSUMED = {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
              "logits_to_keep", "return_dict", "labels", "output_attentions", "output_hidden_states", "cache_position"}
@@ -129,7 +129,7 @@ class PatchedModel:
         if use_cache is False:
             cache.release()
             cache = None
-        out = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        out = CausalLMOutputWithPast(logits=logits, **{MODEL_CACHE_FIELD: cache})
         return out if params.get("return_dict", True) is not False else out.to_tuple()
 
     def _run(self, cache: SparseCache, input_ids, inputs_embeds, position_ids, valid, logits_to_keep) -> torch.Tensor:
@@ -174,6 +174,12 @@ class PatchedModel:
         if created:
             cache = SparseCache(self.controller, expected_new_tokens=_expected_new_tokens(kwargs))
             kwargs[self.cache_name] = cache
+        model_config = getattr(self.orig_generate.__self__, "generation_config", None)
+        if kwargs.get("custom_generate") is None and not _wants_stop_strings(kwargs, model_config):
+            # HF prepares, our loop decodes (models/fast_generate.py). HF hands a custom decoding method neither the
+            # tokenizer nor the streamer: the loop gets the streamer here, and stop strings (which need the
+            # tokenizer) keep HF's own loop.
+            kwargs["custom_generate"] = SparseSampleLoop(self, streamer=kwargs.get("streamer"), user_cache=not created)
         try:
             out = self.orig_generate(*args, **kwargs)
         except BaseException:
@@ -183,6 +189,11 @@ class PatchedModel:
         if created and not kwargs.get("return_dict_in_generate"):
             cache.release()
         return out
+
+
+def _wants_stop_strings(kwargs: dict, model_config) -> bool:
+    config = kwargs.get("generation_config") or model_config
+    return bool(kwargs.get("stop_strings") or getattr(config, "stop_strings", None))
 
 
 def _expected_new_tokens(kwargs: dict) -> int:
