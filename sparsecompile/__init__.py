@@ -37,12 +37,14 @@ _EXPORTS = {
     "optimize": "optimize",
     "restore": "optimize",
     "retained_positions": "api",
+    "warmup": "api",
 }
 
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
     "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
     "available_methods", "compress", "kv_stats", "optimize", "restore", "retained_positions",
+    "warmup",
 ]
 
 
@@ -80,7 +82,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers see the eager imports
-    from .api import compress, kv_stats, retained_positions
+    from .api import compress, kv_stats, retained_positions, warmup
     from .config import EngineConfig, MethodConfigError, ServingConfig
     from .llm import LLM
     from .methods import available_methods

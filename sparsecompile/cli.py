@@ -114,8 +114,20 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
     if with_methods:
         _add_methods(serve)
 
-    bench = sub.add_parser("bench", help="decode benchmark against the HBM roofline (runs benchmarks/decode.py; "
-                                         "CUDA only; pass its options after 'bench', e.g. --grid quick)",
+    warm = sub.add_parser("warmup", help="compile the decode step ahead of time (kept in the on-disk compile cache, so "
+                                         "later processes start warm)")
+    _add_model(warm, methods)
+    warm.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="decode batch sizes (default: 1)")
+    warm.add_argument("--prompt-len", type=int, default=1024, help="prompt length whose pool geometry to compile for "
+                                                                   "(default: 1024)")
+    warm.add_argument("--max-new-tokens", type=int, default=256, help="new tokens the pool is sized for (default: 256)")
+    _add_engine(warm)
+    if with_methods:
+        _add_methods(warm)
+
+    bench = sub.add_parser("bench", help="GPU benchmarks: decode against the HBM roofline (benchmarks/decode.py), "
+                                         "--prefill (benchmarks/prefill.py), --user-path (generate() beside the engine "
+                                         "step: benchmarks/user_path.py); CUDA only; their options follow",
                            add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)  # parsed by benchmarks/decode.py itself
     return parser
@@ -160,14 +172,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_BENCH_SCRIPTS = {"--prefill": "prefill.py", "--user-path": "user_path.py"}  # default: decode.py
+
+
 def _bench(args: argparse.Namespace) -> int:
     import runpy
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode.py"
+    rest = list(args.args)
+    name = next((_BENCH_SCRIPTS[a] for a in rest if a in _BENCH_SCRIPTS), "decode.py")
+    rest = [a for a in rest if a not in _BENCH_SCRIPTS]
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not script.exists():
         raise FileNotFoundError(f"sparsecompile bench runs {script}, which needs a source checkout of sparsecompile")
-    sys.argv = [str(script), *args.args]
+    sys.argv = [str(script), *rest]
     runpy.run_path(str(script), run_name="__main__")
     return 0
 
@@ -210,6 +228,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import sparsecompile
+    from sparsecompile.models.default_model import load_model
+
+    model, _ = load_model(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
+    options = _options(args, EngineConfig)
+    options.setdefault("compile", True)
+    sparsecompile.optimize(model, args.method, **options)
+    for batch, seconds in sparsecompile.warmup(model, args.batch_sizes, args.prompt_len, args.max_new_tokens).items():
+        print(f"batch {batch}: {seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -222,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "warmup":
+            return _warmup(args)
     except (ValueError, FileNotFoundError, TypeError) as err:
         parser.exit(2, f"sparsecompile: error: {err}\n")
     return 1

