@@ -81,6 +81,7 @@ class H2ORuntime(EvictionRuntime):
     config_class = H2OConfig
     config: H2OConfig
     chunk_eviction = True
+    uses_prefill_lse = True  # one pass over the keys to accumulate prefill attention mass
     prefill_mode = PrefillMode.ALIGNED  # what is kept depends on where chunks end: the same chunks as generate()
 
     @property

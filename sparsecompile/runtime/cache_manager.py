@@ -190,6 +190,7 @@ class CacheManager(SharedPages):
         self._host_table[row] = 0
         self._live_rows.discard(row)
         self._shared_rows.discard(row)
+        self._holes.discard(row)
         self._free_rows.append(row)
         self._dirty_rows.add(row)
 
@@ -361,6 +362,7 @@ class CacheManager(SharedPages):
         per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
         pos = gather_slots(self.pos_pool, per_head)
         self.scatter_slots(self.pos_pool, torch.where(pos >= first, per_head, -1), torch.full_like(pos, -1))
+        self._holes.add(row)
 
     # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
     def retained_positions(self, row: int, layer: int) -> list[torch.Tensor]:

@@ -90,6 +90,8 @@ class SparseMethod:
     #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
     #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
     reads_pool_across_layers: ClassVar[bool] = False
+    #: Prefill hooks read ``LayerContext.lse`` (the attention's log-sum-exp); others let the kernels skip it.
+    uses_prefill_lse: ClassVar[bool] = False
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True

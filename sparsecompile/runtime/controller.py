@@ -206,10 +206,12 @@ class SparseController:
         ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
         ctx.view = view = m.build_view(layer, step, selection)
-        if step.is_prefill:  # tensor-core prefill kernel; its log-sum-exp serves the methods' scoring
-            out, ctx.lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
-                                                   view.lengths, step.positions, step.num_new, view.block_size,
-                                                   scale, sliding_window)
+        if step.is_prefill:  # tensor-core prefill paths; the log-sum-exp serves methods that score with it
+            known = step.dense_lengths[layer] if step.dense_lengths and selection is None else -1
+            out, lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                               view.lengths, step.positions, step.num_new, view.block_size, scale,
+                                               sliding_window, known, rt.uses_prefill_lse)
+            ctx.lse = lse if rt.uses_prefill_lse else None
         else:
             out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
                                   step.positions, view.block_size, scale, sliding_window)
@@ -231,6 +233,8 @@ class SparseController:
     def _begin(self, step: StepState) -> None:
         m = self.manager
         before = self._make_room(step)
+        if step.is_prefill:
+            step.dense_lengths = self._dense_lengths(step, before)
         self.runtime.prepare_step(m, step)
         if m.has_shared_rows(step.row_ids):  # copy-on-write: the pages this step writes must be the row's own
             rewrites = self.runtime.rewrites_resident(m, step)
@@ -241,6 +245,16 @@ class SparseController:
                 self._decode_steps.clear()
             m.prepare_writes(step.row_ids, from_slots)
         m.flush()
+
+    def _dense_lengths(self, step: StepState, before: np.ndarray) -> list[int]:
+        """Per layer, the slots every row reads this step when that is the same for all rows, none is padded and no
+        row has empty slots; else -1 (see :attr:`StepState.dense_lengths`)."""
+        layers = self.layout.num_layers
+        if min(step.num_new_host) != step.num_tokens or self.manager.has_holes(step.row_ids):
+            return [-1] * layers
+        counts = before + step.num_tokens
+        uniform = (counts == counts[:1]).all(axis=0)
+        return [int(c) if u else -1 for c, u in zip(counts[0], uniform)]
 
     def _end(self, step: StepState) -> None:
         self.runtime.commit_step(self.manager, step)

@@ -34,6 +34,9 @@ class StepState:
     ends_prompt: list[bool]
     row_ids: list[int]
     num_new_host: list[int]
+    #: prefill: per layer, the slot count every row reads when the host vouches the view is dense (all rows equal, no
+    #: padding, no empty slot), else -1; attention kernels take a sync-free fast path on it (set by the controller)
+    dense_lengths: list[int] | None = None
 
     @property
     def is_last_chunk(self) -> bool:
