@@ -64,7 +64,8 @@ class EngineConfig:
     """Engine options shared by ``optimize()`` and the serving runtime."""
 
     page_size: int = option(16, "tokens per KV page (a power of two)")
-    prefill_chunk_size: int = option(2048, "prompt tokens per prefill forward (chunked prefill); 0 = whole prompt")
+    prefill_chunk_size: int | None = option(None, "prompt tokens per prefill forward; 0 = whole prompt; default: "
+                                                  "the method's (whole prompt; H2O 8192), at most 8192 when serving")
     compile: bool | str = option("auto", "compile decode steps with torch.compile (auto: on CUDA only)")
     cuda_graphs: bool | str = option("auto", "replay compiled decode steps as CUDA graphs (auto: when compiling "
                                              "on CUDA)")
@@ -80,8 +81,9 @@ class EngineConfig:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1 \
                 or self.page_size & (self.page_size - 1):
             raise MethodConfigError(f"page_size must be a positive power of two (an int), got {self.page_size!r}")
-        if isinstance(self.prefill_chunk_size, bool) or not isinstance(self.prefill_chunk_size, int) \
-                or self.prefill_chunk_size < 0:
+        if self.prefill_chunk_size is not None and (isinstance(self.prefill_chunk_size, bool)
+                                                    or not isinstance(self.prefill_chunk_size, int)
+                                                    or self.prefill_chunk_size < 0):
             raise MethodConfigError(f"prefill_chunk_size must be an int >= 0 (0 = whole prompt), "
                                     f"got {self.prefill_chunk_size!r}")
         for name in ("compile", "cuda_graphs"):

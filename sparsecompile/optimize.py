@@ -32,11 +32,9 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         model: an HF causal LM (``AutoModelForCausalLM``); the normal ``model.generate()`` keeps working.
         method: a registered method name (``sparsecompile.available_methods()``).
         **options: the method's options (its config dataclass in ``methods/<method>.py``) and the engine options
-            of :class:`sparsecompile.config.EngineConfig`: ``page_size`` (16), ``prefill_chunk_size`` (2048; 0 =
-            whole prompt), ``compile`` ("auto": decode steps compiled on CUDA), ``cuda_graphs`` ("auto"),
-            ``num_pages`` (None: sized on demand), ``show_progress`` (False), ``fuse_projections`` (True: with
-            compiled decode, q/k/v and gate/up weights share one buffer per layer, so each group is one GEMM;
-            ``restore()`` separates them).
+            of :class:`sparsecompile.config.EngineConfig` (``page_size``, ``prefill_chunk_size``, ``compile``,
+            ``cuda_graphs``, ``num_pages``, ``show_progress``, ``fuse_projections``, ``compile_cache``; their
+            defaults and help: ``sparsecompile generate --help``).
 
     Raises:
         MethodConfigError: unknown method, unknown or out-of-range option (the message says which kind of option

@@ -90,6 +90,9 @@ class SparseMethod:
     #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
     #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
     reads_pool_across_layers: ClassVar[bool] = False
+    #: Prompt tokens per prefill forward when the engine option is not set (0: the whole prompt, the fastest on the
+    #: H200 for methods that hold the whole prompt anyway: README "Prefill"); chunk-wise eviction sets its chunk.
+    default_prefill_chunk: ClassVar[int] = 0
     #: Prefill hooks read ``LayerContext.lse`` (the attention's log-sum-exp); others let the kernels skip it.
     uses_prefill_lse: ClassVar[bool] = False
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length

@@ -28,12 +28,13 @@ InnerForward = Callable[..., torch.Tensor]
 
 
 def _bucket(n: int) -> int:
-    """Round ``n`` up to one of a few sizes per power of two (<= 12.5% waste), so capacities (and the
-    compiled graphs that depend on them) change rarely."""
+    """Round ``n`` up to one of 32 sizes per power of two (<= 3.2 % waste: a 128K prompt's pool is 16 GiB on the
+    8B shape, and prefill memory must not exceed HF's), so capacities, and the compiled graphs that depend on them,
+    change rarely."""
     n = max(1, n)
-    if n <= 16:
+    if n <= 32:
         return 1 << math.ceil(math.log2(n))
-    step = 1 << (n.bit_length() - 4)
+    step = 1 << (n.bit_length() - 6)
     return -(-n // step) * step
 
 
@@ -62,9 +63,12 @@ class SparseController:
         """Prompt tokens per prefill forward (None: the whole prompt in one forward), from the engine option and
         the method's prefill mode: the one place that decides it (``generate()``, the scheduler and the memory
         oracle all read it)."""
-        if self.runtime.prefill_mode is PrefillMode.WHOLE or not self.config.prefill_chunk_size:
+        chunk = self.config.prefill_chunk_size
+        if chunk is None:
+            chunk = self.runtime.default_prefill_chunk
+        if self.runtime.prefill_mode is PrefillMode.WHOLE or not chunk:
             return None
-        return self.config.prefill_chunk_size
+        return chunk
 
     # ------------------------------------------------------------------ capacity (host)
     def reserve(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
@@ -210,7 +214,7 @@ class SparseController:
             known = step.dense_lengths[layer] if step.dense_lengths and selection is None else -1
             out, lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
                                                view.lengths, step.positions, step.num_new, view.block_size, scale,
-                                               sliding_window, known, rt.uses_prefill_lse)
+                                               sliding_window, known, rt.uses_prefill_lse, key, value)
             ctx.lse = lse if rt.uses_prefill_lse else None
         else:
             out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,

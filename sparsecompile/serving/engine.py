@@ -26,6 +26,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestRej
 from .sampling import make_generator, sample
 from .scheduler import PrefillChunk, Request, Scheduler
 
+SERVING_PREFILL_CHUNK = 8192  # prompt tokens per step when prefill_chunk_size is not set (vLLM's default budget)
 _CPU_KV_MEMORY = 1 << 30  # default KV pool on CPU when kv_cache_memory is not given
 _GPU_KV_FRACTION = 0.85  # of the memory free after loading, when kv_cache_memory is not given
 
@@ -71,7 +72,10 @@ class LLMEngine:
         limit = patched.max_length or 4096
         self.max_model_len = min(config.max_model_len or limit, limit)
         max_num_seqs = config.max_num_seqs
-        chunk = c.prefill_chunk or self.max_model_len
+        chunk = c.prefill_chunk
+        if c.config.prefill_chunk_size is None:  # serving default: chunks short enough to keep running streams moving
+            chunk = min(chunk or SERVING_PREFILL_CHUNK, SERVING_PREFILL_CHUNK)
+        chunk = chunk or self.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(chunk, max_num_seqs)
         self.device = c.layout.device
         num_pages = c.config.num_pages or self._pages_from_memory(config, max_num_seqs)

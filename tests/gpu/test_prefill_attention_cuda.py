@@ -112,7 +112,11 @@ def test_op_dispatch_with_host_vouched_lengths(name, want_lse):
     whole prompt without lse, gather + flash otherwise; the same results as the reference."""
     case = prefill_case(**{**SHAPE, **CASES[name]}, seed=5)
     known = int(case["lengths"].max())
-    got = pa.paged_prefill_attention(**case, known_length=known, want_lse=want_lse)
+    extra = {}
+    if known == case["query"].shape[2]:  # a whole prompt: also through the step's own K/V (the controller's call)
+        extra = {name: pa.gather_view(case[pool], case["index"], case["block_size"], known)
+                 for name, pool in (("key", "k_pool"), ("value", "v_pool"))}
+    got = pa.paged_prefill_attention(**case, known_length=known, want_lse=want_lse, **extra)
     want = pa.prefill_attention_reference(**case)
     if want_lse:
         _check(got, want)
