@@ -61,8 +61,8 @@ class LayerContext:
         new_slots: ``[batch, tokens]`` global slot ids the new tokens were written to (-1 = padding).
         scale: softmax scale; sliding_window: 0 or the layer's window.
         view: the AttentionView read by this layer (set before ``on_attention_end``).
-        lse: ``[batch, q_heads, tokens]`` fp32 log-sum-exp of each query's scaled logits over the view (prefill
-            steps; None in decode), for scoring without a second normaliser pass.
+        lse: ``[batch, q_heads, tokens]`` fp32 log-sum-exp of each query's scaled logits over the view, for
+            scoring without a second normaliser pass (set when the method declares ``uses_*_lse``).
     """
 
     layer: int
@@ -93,8 +93,9 @@ class SparseMethod:
     #: Prompt tokens per prefill forward when the engine option is not set (0: the whole prompt, the fastest on the
     #: H200 for methods that hold the whole prompt anyway: README "Prefill"); chunk-wise eviction sets its chunk.
     default_prefill_chunk: ClassVar[int] = 0
-    #: Prefill hooks read ``LayerContext.lse`` (the attention's log-sum-exp); others let the kernels skip it.
+    #: Prefill / decode hooks read ``LayerContext.lse`` (the attention's log-sum-exp); others let the kernels skip it.
     uses_prefill_lse: ClassVar[bool] = False
+    uses_decode_lse: ClassVar[bool] = False
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..kernels import paged_attention, paged_prefill_attention
+from ..kernels import paged_attention, paged_attention_lse, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_notice, compile_step
@@ -216,6 +216,9 @@ class SparseController:
                                                view.lengths, step.positions, step.num_new, view.block_size, scale,
                                                sliding_window, known, rt.uses_prefill_lse, key, value)
             ctx.lse = lse if rt.uses_prefill_lse else None
+        elif rt.uses_decode_lse:
+            out, ctx.lse = paged_attention_lse(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                               view.lengths, step.positions, view.block_size, scale, sliding_window)
         else:
             out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
                                   step.positions, view.block_size, scale, sliding_window)
