@@ -5,6 +5,7 @@ HF ``generate``'s own logits processors, and per-request reproducibility with ``
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_llm import prompts_of, tiny_llm
 
@@ -19,16 +20,22 @@ def hf_greedy(model, prompt: list[int], new: int, **kwargs) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.fixture(scope="module")
+def pair():
+    """(reference model, LLM) with the default tiny options, shared (each test leaves the engine idle)."""
+    return tiny_llm()
+
+
 def idle(llm) -> bool:
     s = llm.llm_engine.stats()
     return s.free_pages == s.total_pages and s.num_running == s.num_waiting == 0
 
 
-def test_n_completions_fork_after_one_prefill_and_follow_their_derived_seeds():
+def test_n_completions_fork_after_one_prefill_and_follow_their_derived_seeds(pair):
     """Completion i of an n=3 request equals an n=1 request seeded with child_seed(seed, i): each sibling's KV (from
     the fork) and generator are right. The prompt is prefilled once for the request, plus once per sibling (the
     re-prefill seam, until fork_rows shares pages)."""
-    _, llm = tiny_llm()
+    _, llm = pair
     prompt = prompts_of([21])[0]
     sampled = dict(temperature=1.0, top_k=40, max_tokens=8)
     before = llm.llm_engine.stats().prompt_tokens
@@ -56,8 +63,8 @@ def test_n_siblings_that_do_not_fit_wait_and_recompute_exactly():
     assert idle(llm)
 
 
-def test_aborting_an_n_request_frees_every_sibling():
-    _, llm = tiny_llm()
+def test_aborting_an_n_request_frees_every_sibling(pair):
+    _, llm = pair
     engine = llm.llm_engine
     engine.add_request("early", prompts_of([30])[0], SamplingParams(n=2, temperature=0, max_tokens=50))
     engine.abort_request("early")  # before its first token: both completions abort empty
@@ -73,8 +80,8 @@ def test_aborting_an_n_request_frees_every_sibling():
     assert idle(llm)
 
 
-def test_logprobs_and_prompt_logprobs_are_the_models_log_softmax():
-    reference, llm = tiny_llm()
+def test_logprobs_and_prompt_logprobs_are_the_models_log_softmax(pair):
+    reference, llm = pair
     prompt = prompts_of([19])[0]
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=7, logprobs=3, prompt_logprobs=2,
                             repetition_penalty=1.2)  # logprobs are the model's, before penalties and temperature
@@ -105,8 +112,8 @@ def test_logprobs_and_prompt_logprobs_are_the_models_log_softmax():
     assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
 
 
-def test_prompt_logprobs_across_prefill_chunks_and_n():
-    reference, llm = tiny_llm()  # prefill chunks of 16 tokens, step budget 24
+def test_prompt_logprobs_across_prefill_chunks_and_n(pair):
+    reference, llm = pair  # prefill chunks of 16 tokens, step budget 24
     prompt = prompts_of([45])[0]
     out = llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=0),
                        use_tqdm=False)[0]
@@ -119,9 +126,9 @@ def test_prompt_logprobs_across_prefill_chunks_and_n():
     assert all(len(entry) == 1 for entry in out.prompt_logprobs[1:])
 
 
-def test_penalties_min_tokens_and_logit_bias_match_hf_generate():
+def test_penalties_min_tokens_and_logit_bias_match_hf_generate(pair):
     """Greedy decoding with each option equals HF generate with its logits processor of the same meaning."""
-    reference, llm = tiny_llm()
+    reference, llm = pair
     prompt = prompts_of([12], seed=4)[0]
     new = 12
     plain = hf_greedy(reference, prompt, new)
@@ -144,13 +151,13 @@ def test_penalties_min_tokens_and_logit_bias_match_hf_generate():
     assert stop not in outs[3][:k + 3]
 
 
-def test_frequency_and_presence_penalties_change_greedy_tokens_reproducibly():
-    _, llm = tiny_llm()
+def test_frequency_and_presence_penalties_change_greedy_tokens_reproducibly(pair):
+    _, llm = pair
     prompt = prompts_of([8], seed=5)[0]
 
     options = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"presence_penalty": -2.0},
                {"frequency_penalty": 2.0}]
-    outs = llm.generate([prompt] * len(options), [SamplingParams(temperature=0, max_tokens=30, **o) for o in options],
+    outs = llm.generate([prompt] * len(options), [SamplingParams(temperature=0, max_tokens=20, **o) for o in options],
                         use_tqdm=False)
     plain, frequency, presence, negative, again = (o.outputs[0].token_ids for o in outs)
     repeats = len(plain) - len(set(plain))

@@ -223,7 +223,8 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
             return list(prompt_ids), list(output.prompt_logprobs or [None] * len(prompt_ids))
 
         def choice(output: RequestOutput, c: CompletionOutput, text: str, ids: list[int], steps: list,
-                   reason: str | None, offset: int = 0, final: bool = False) -> CompletionChoice:
+                   reason: str | None, offset: int = 0, final: bool = False,
+                   prompt_logprobs: Any = None) -> CompletionChoice:
             logprobs = None
             if body.logprobs is not None:
                 if body.echo and final:
@@ -232,8 +233,7 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
                 logprobs = completion_logprobs(ids, steps, token_text, offset)
             return CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=reason,
                                     stop_reason=c.stop_reason if reason is not None else None,
-                                    prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs)
-                                    if final and body.prompt_logprobs is not None else None)
+                                    prompt_logprobs=prompt_logprobs)
 
         async def sse_body(outputs: RequestStream) -> AsyncIterator[str]:
             def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
@@ -263,8 +263,9 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
             yield "data: [DONE]\n\n"
 
         def build(final: RequestOutput) -> CompletionResponse:
-            choices = [choice(final, c, echo + c.text, c.token_ids, c.logprobs or [], c.finish_reason, final=True)
-                       for c in final.outputs]
+            prompt_lp = prompt_logprobs_field(final.prompt_logprobs) if body.prompt_logprobs is not None else None
+            choices = [choice(final, c, echo + c.text, c.token_ids, c.logprobs or [], c.finish_reason, final=True,
+                              prompt_logprobs=prompt_lp) for c in final.outputs]
             return CompletionResponse(id=request_id, created=created, model=model_name, usage=_usage(final),
                                       choices=choices)
 
