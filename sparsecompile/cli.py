@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .config import EngineConfig, ServingConfig, add_arguments, given, parse_bool
+from .config import EngineConfig, ServerConfig, ServingConfig, add_arguments, field_names, given, parse_bool
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 
@@ -42,12 +42,21 @@ def _parse_memory(text: str) -> float:
     return value
 
 
+def _parse_bytes(text: str) -> int:
+    """``--max-request-bytes``: a byte count (``8MiB``, ``4e6``, ``1048576``)."""
+    value = _parse_memory(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a byte count (e.g. 8MiB), got {text!r}")
+    return int(value)
+
+
 _ENGINE_TYPES = {"compile": _auto_or_bool, "cuda_graphs": _auto_or_bool}
 
 
-def _add_engine(parser: argparse.ArgumentParser) -> None:
+def _add_engine(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     engine = parser.add_argument_group("engine options (sparsecompile.config.EngineConfig)")
     add_arguments(engine, EngineConfig, skip=("show_progress",), types=_ENGINE_TYPES)
+    return engine
 
 
 def _add_methods(parser: argparse.ArgumentParser) -> None:
@@ -101,16 +110,15 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                        help="HF model directory or .gguf file (same as --model)")
     _add_model(serve, methods)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model id clients send and /v1/models lists (default: the model as given, or the "
-                            "embedded model's name)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn log level (default: info)")
+    server = serve.add_argument_group("server options (sparsecompile.config.ServerConfig)")
+    add_arguments(server, ServerConfig, types={"allowed_hosts": str, "max_request_bytes": _parse_bytes})
+    server.add_argument("--log-level", dest="uvicorn_log_level", default=None, metavar="UVICORN_LOG_LEVEL",
+                        help="same as --uvicorn-log-level")
     serving = serve.add_argument_group("serving options (sparsecompile.config.ServingConfig)")
     add_arguments(serving, ServingConfig, skip=("model_name",), types={"kv_cache_memory": _parse_memory})
-    _add_engine(serve)
+    engine = _add_engine(serve)
+    engine.add_argument("--block-size", dest="page_size", type=int, default=None, metavar="PAGE_SIZE",
+                        help="same as --page-size (vLLM's name)")
     if with_methods:
         _add_methods(serve)
 
@@ -135,8 +143,6 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace, *configs: type) -> dict:
     """Engine / serving options given on the command line, plus every method option given."""
-    from .config import field_names
-
     options: dict = {}
     for config in configs:
         options.update(given(args, field_names(config)))
@@ -152,22 +158,28 @@ def _torch_dtype(name: str):
 
 def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from dataclasses import replace
+
     from .llm import LLM
     from .models.default_model import DEFAULT_MODEL_NAME
     from .server import serve
+    from .server.app import API_KEY_ENV
+    from .server.preprocess import load_chat_template
 
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    server = ServerConfig(**given(args, field_names(ServerConfig)))
+    load_chat_template(server.chat_template)  # a bad --chat-template fails now, not after loading the model
     model = args.model_path or args.model
-    name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    name = server.served_model_name or model or DEFAULT_MODEL_NAME
+    server = replace(server, served_model_name=name)
     llm = LLM(model, args.method, device=args.device, dtype=_torch_dtype(args.dtype), model_name=name,
               **_options(args, EngineConfig, ServingConfig))
     engine = llm.llm_engine
+    keyed = " (API key required)" if (server.api_key or os.environ.get(API_KEY_ENV)) else ""
     print(f"sparsecompile: serving {name!r} (method {args.method}, max_model_len {engine.max_model_len}, "
-          f"{engine.stats().total_pages} KV pages) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"{engine.stats().total_pages} KV pages) on http://{server.host}:{server.port}/v1{keyed}", file=sys.stderr)
     try:
-        serve(engine, host=args.host, port=args.port, served_model_name=name, log_level=args.log_level)
-    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then re-raises it
+        serve(engine, server)
+    except KeyboardInterrupt:  # uvicorn drains and shuts down on Ctrl-C, then re-raises it
         pass
     return 0
 

@@ -5,6 +5,7 @@ Every option a user can pass is a field of one of three kinds of dataclass:
 * :class:`EngineConfig`: how a patched model runs (pages, prefill chunks, compilation); ``optimize()`` takes it.
 * :class:`ServingConfig`: the serving runtime over it (batch size, token budget, KV memory); ``LLM`` and
   ``sparsecompile serve`` take it as well.
+* :class:`ServerConfig`: the OpenAI-compatible HTTP server over that runtime (bind address, API key, limits).
 * one :class:`MethodConfig` subclass per sparse method (``methods/<name>.py``).
 
 ``optimize``, ``LLM`` and the CLI derive what they accept from these fields (:func:`split_options`,
@@ -124,6 +125,52 @@ class ServingConfig:
         if self.cuda_graph_sizes is not None:
             for size in self.cuda_graph_sizes:
                 _positive_int("every cuda_graph_sizes entry", size)
+
+
+# ---------------------------------------------------------------------------------------------------- server
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass
+class ServerConfig:
+    """Options of the OpenAI-compatible HTTP server (``sparsecompile serve``, ``sparsecompile.server``)."""
+
+    host: str = option("127.0.0.1", "bind address")
+    port: int = option(8000, "port")
+    served_model_name: str | None = option(None, "model id clients send and /v1/models lists (default: the model "
+                                                 "as given, or the embedded model's name)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on every /v1 route (default: the "
+                                       "environment variable SPARSECOMPILE_API_KEY; /health and /metrics stay open)")
+    allowed_hosts: list[str] | None = option(None, "Host header values accepted on /v1 routes, against DNS "
+                                                   "rebinding ('*' = any; default: the bind address, localhost, "
+                                                   "127.0.0.1 and [::1])")
+    max_request_bytes: int = option(8 << 20, "largest request body in bytes; larger ones get 413 before they are "
+                                             "read")
+    read_timeout: float = option(30.0, "seconds a client may take to send a request's head, and again its body; "
+                                       "slower connections are closed (408 for a body)")
+    chat_template: str | None = option(None, "chat template for /v1/chat/completions: a file or a Jinja string "
+                                             "(default: the tokenizer's)")
+    seed: int | None = option(None, "seed of every request that sends none (then identical requests get identical "
+                                    "completions; default: unseeded requests draw from the global RNG)")
+    uvicorn_log_level: str = option("info", f"uvicorn log level: {', '.join(UVICORN_LOG_LEVELS)}")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise MethodConfigError(f"port must be in 0..65535 (0 = any free port), got {self.port!r}")
+        _positive_int("max_request_bytes", self.max_request_bytes)
+        timeout = self.read_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise MethodConfigError(f"read_timeout must be a number of seconds > 0, got {timeout!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise MethodConfigError(f"seed must be an integer, got {self.seed!r}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise MethodConfigError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                                    f"got {self.uvicorn_log_level!r}")
+        if self.allowed_hosts is not None:
+            if isinstance(self.allowed_hosts, str) or any(not isinstance(h, str) or not h for h in self.allowed_hosts):
+                raise MethodConfigError(f"allowed_hosts must be a list of host names, got {self.allowed_hosts!r}")
+        if self.api_key is not None and not isinstance(self.api_key, str):
+            raise MethodConfigError("api_key must be a string")
 
 
 # ---------------------------------------------------------------------------------------------------- methods

@@ -10,7 +10,12 @@ from .outputs import RequestOutput, SamplingParams
 
 @runtime_checkable
 class Engine(Protocol):
-    """A synchronous, single-threaded serving engine: requests in, :class:`RequestOutput` deltas out."""
+    """A synchronous, single-threaded serving engine: requests in, :class:`RequestOutput` deltas out.
+
+    The server tokenizes on threads of its own with ``tokenizer`` (None: token-id prompts only; decoding is all it
+    does besides encoding) and passes ``add_request`` token ids; an output holds one ``CompletionOutput`` per
+    completion (``SamplingParams.n``).
+    """
 
     model_name: str
     method: str
