@@ -34,6 +34,7 @@ _EXPORTS = {
     "available_methods": "methods",
     "kv_stats": "api",
     "optimize": "optimize",
+    "patched": "optimize",
     "restore": "optimize",
     "retained_positions": "api",
 }
@@ -41,7 +42,7 @@ _EXPORTS = {
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
     "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
-    "available_methods", "kv_stats", "optimize", "restore", "retained_positions",
+    "available_methods", "kv_stats", "optimize", "patched", "restore", "retained_positions",
 ]
 
 
@@ -85,6 +86,6 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from .methods import available_methods
     from .models.hf_cache import SparseCache
     from .models.support import UnsupportedModelError
-    from .optimize import optimize, restore
+    from .optimize import optimize, patched, restore
     from .passes import CaptureError
     from .serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams
