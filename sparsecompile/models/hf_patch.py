@@ -23,6 +23,7 @@ from ..passes.sdpa_rewrite import sdpa_rewrite_backend
 from ..runtime.compilation import compile_dynamic
 from ..runtime.controller import SparseController
 from .attention import CONTROLLER_ATTR
+from .generate_args import GENERATE_ONLY, check_generate_arguments
 from .hf_cache import SparseCache
 
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -65,6 +66,7 @@ class PatchedModel:
         self.cache_name = cache_argument_name(model)
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.orig_forward).parameters
         self.signature = inspect.signature(self.orig_forward)
+        self.generate_signature = inspect.signature(self.orig_generate)
         self.last_cache = None  # weakref target for kv_stats(model)
         self.previous_attn: str | None = None  # the attention implementation restore() gives back
 
@@ -82,7 +84,7 @@ class PatchedModel:
         bound = self.signature.bind_partial(*args, **kwargs)
         params = dict(bound.arguments)
         params.update(params.pop("kwargs", {}) or {})
-        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and v is not None)
+        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and k not in GENERATE_ONLY and v is not None)
         if extra:
             raise TypeError(f"sparsecompile's patched forward does not support the argument(s) {extra}")
         if params.get("labels") is not None:
@@ -161,10 +163,9 @@ class PatchedModel:
 
     # ------------------------------------------------------------------ generate
     def generate(self, *args, **kwargs):
-        if kwargs.get("num_beams", 1) not in (None, 1):
-            raise ValueError("beam search is not supported with sparsecompile (use num_beams=1)")
-        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
-            raise ValueError("assisted / speculative decoding is not supported with sparsecompile")
+        checked = check_generate_arguments(self.orig_generate.__self__, self.generate_signature, args, kwargs,
+                                           self.max_length)
+        args, kwargs = checked.args, checked.kwargs
         cache = next((kwargs[k] for k in (self.cache_name, "past_key_values", "cache") if kwargs.get(k) is not None),
                      None)
         if cache is not None and not isinstance(cache, SparseCache):
@@ -180,7 +181,7 @@ class PatchedModel:
             if created:
                 cache.release()
             raise
-        if created and not kwargs.get("return_dict_in_generate"):
+        if created and not checked.return_dict:
             cache.release()
         return out
 
