@@ -243,14 +243,13 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     import sparsecompile
-    from sparsecompile.config import EngineConfig as Engine
     from sparsecompile.methods import make_config
     from sparsecompile.models.default_model import load_model
     from sparsecompile.optimize import split_method_options
 
-    options = _options(args, Engine)
+    options = _options(args, EngineConfig)
     routed = split_method_options(args.method, options)  # every option checked before the model loads
-    Engine(**routed["engine"])
+    EngineConfig(**routed["engine"])
     make_config(args.method, routed["method"])
     model, tokenizer = load_model(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
     sparsecompile.optimize(model, args.method, show_progress=True, **options)

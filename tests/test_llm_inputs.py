@@ -62,9 +62,9 @@ def test_engine_seed_is_the_default_for_unseeded_requests():
     def run(seed):
         _, model = tiny_pair("llama", seed=1)
         engine_llm = LLM(model, tokenizer=tiny_tokenizer(), max_num_seqs=4, seed=seed)
-        params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+        params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
         outs = engine_llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
-        again = engine_llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True,
+        again = engine_llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True,
                                                                 seed=123), use_tqdm=False)
         return tokens(outs), tokens(again)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ class PatchedModel:
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.orig_forward).parameters
         self.signature = inspect.signature(self.orig_forward)
         self.generate_signature = inspect.signature(self.orig_generate)
+        self.model_ref = weakref.ref(model)  # generate()'s argument checks read the model's generation_config
         self.last_cache = None  # weakref target for kv_stats(model)
         self.previous_attn: str | None = None  # the attention implementation restore() gives back
 
@@ -163,8 +165,7 @@ class PatchedModel:
 
     # ------------------------------------------------------------------ generate
     def generate(self, *args, **kwargs):
-        checked = check_generate_arguments(self.orig_generate.__self__, self.generate_signature, args, kwargs,
-                                           self.max_length)
+        checked = check_generate_arguments(self.model_ref(), self.generate_signature, args, kwargs, self.max_length)
         args, kwargs = checked.args, checked.kwargs
         cache = next((kwargs[k] for k in (self.cache_name, "past_key_values", "cache") if kwargs.get(k) is not None),
                      None)
