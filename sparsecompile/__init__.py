@@ -35,6 +35,7 @@ _EXPORTS = {
     "compress": "api",
     "kv_stats": "api",
     "optimize": "optimize",
+    "patched": "optimize",
     "restore": "optimize",
     "retained_positions": "api",
     "warmup": "api",
@@ -43,7 +44,7 @@ _EXPORTS = {
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
     "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
-    "available_methods", "compress", "kv_stats", "optimize", "restore", "retained_positions",
+    "available_methods", "compress", "kv_stats", "optimize", "patched", "restore", "retained_positions",
     "warmup",
 ]
 
@@ -88,6 +89,6 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from .methods import available_methods
     from .models.hf_cache import SparseCache
     from .models.support import UnsupportedModelError
-    from .optimize import optimize, restore
+    from .optimize import optimize, patched, restore
     from .passes import CaptureError
     from .serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams

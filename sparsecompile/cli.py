@@ -2,7 +2,10 @@
 
 Every engine, serving and method flag is derived from the config dataclasses (``sparsecompile/config.py`` and
 each method's config), with their help text and defaults, so a new option needs no CLI code. The top-level
-``--help`` does not import torch; subcommands that list method flags import the method registry.
+``--help`` does not import torch; subcommands that list method flags import the method registry. Argument
+errors that need no model are reported before torch is imported: a first pass parses the command line without
+the method flags (``parse_known_args``) and checks the values; then the method and engine options are built
+into their configs before the model loads. Every error is one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -12,9 +15,24 @@ import os
 import sys
 import time
 
-from .config import EngineConfig, ServerConfig, ServingConfig, add_arguments, field_names, given, parse_bool
+from .config import (
+    DTYPE_NAMES,
+    EngineConfig,
+    ServerConfig,
+    ServingConfig,
+    add_arguments,
+    dtype_attribute,
+    field_names,
+    given,
+    parse_bool,
+)
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line (the usage of a subcommand with every method flag runs to pages)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _auto_or_bool(text: str) -> bool | str:
@@ -71,12 +89,13 @@ def _add_methods(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model(parser: argparse.ArgumentParser, methods: list[str] | None) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded "
-                                                      "SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="HF model directory, .gguf file or Hugging Face model id (from "
+                                                      "the local cache, or the hub when reachable; default: the "
+                                                      "embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--method", default="vanilla", choices=methods,
                         help="sparse method (default: vanilla)" + ("" if methods else "; see a subcommand's --help"))
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", choices=_DTYPES,
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                         help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
 
 
@@ -87,20 +106,23 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
         from .methods import available_methods
 
         methods = available_methods()
-    parser = argparse.ArgumentParser(prog="sparsecompile", description="sparse-first LLM inference")
+    parser = _Parser(prog="sparsecompile", description="sparse-first LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text with a sparse method and print a KV-memory summary")
+    gen = sub.add_parser("generate", help="generate text with a sparse method (streamed to stdout as it comes) "
+                                          "and print a KV-memory summary")
     _add_model(gen, methods)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-file", help="file holding the prompt text")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    prompt.add_argument("--prompt-file", help="file holding the prompt text (UTF-8)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, >= 1 (default: 64)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1, off)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else > 0 (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default: 1, off)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    gen.add_argument("--no-stream", action="store_true", help="print the text once generated instead of "
+                                                              "streaming it")
     _add_engine(gen)
     if with_methods:
         _add_methods(gen)
@@ -153,11 +175,11 @@ def _options(args: argparse.Namespace, *configs: type) -> dict:
 def _torch_dtype(name: str):
     import torch
 
-    return None if name == "auto" else getattr(torch, "float16" if name == "half" else name)
+    attribute = dtype_attribute(name)
+    return None if attribute is None else getattr(torch, attribute)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from dataclasses import replace
 
     from .llm import LLM
@@ -187,35 +209,90 @@ def _serve(args: argparse.Namespace) -> int:
 _BENCH_SCRIPTS = {"--prefill": "prefill.py", "--user-path": "user_path.py"}  # default: decode.py
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(argv: list[str]) -> int:
     import runpy
     from pathlib import Path
 
-    rest = list(args.args)
+    rest = list(argv)
     name = next((_BENCH_SCRIPTS[a] for a in rest if a in _BENCH_SCRIPTS), "decode.py")
     rest = [a for a in rest if a not in _BENCH_SCRIPTS]
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not script.exists():
         raise FileNotFoundError(f"sparsecompile bench runs {script}, which needs a source checkout of sparsecompile")
-    sys.argv = [str(script), *rest]
+    if not {"-h", "--help"} & set(argv):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"sparsecompile bench: error: the {name} benchmark measures GPU time and needs a CUDA GPU; this "
+                  f"machine has none (torch {torch.__version__})", file=sys.stderr)
+            return 2
+    sys.argv = [f"sparsecompile bench ({name})", *rest]
     runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
+def _check_generate(args: argparse.Namespace) -> str:
+    """Check what needs no torch and no model; return the prompt text. ``ValueError`` says what to change."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.prompt_file is not None:
+        if os.path.isdir(args.prompt_file):
+            raise ValueError(f"--prompt-file {args.prompt_file!r} is a directory; pass a text file")
+        if not os.path.exists(args.prompt_file):
+            raise ValueError(f"--prompt-file {args.prompt_file!r} does not exist")
+        try:
+            with open(args.prompt_file, encoding="utf-8") as handle:
+                text = handle.read()
+        except UnicodeDecodeError:
+            raise ValueError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text") from None
+        if not text.strip():
+            raise ValueError(f"--prompt-file {args.prompt_file!r} is empty")
+        return text
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; pass the prompt text")
+    return args.prompt
+
+
+def _check_device(device: str | None) -> None:
+    """``--device``: a CUDA device only where CUDA is available (checked before the model loads)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                             "use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def _generate(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    text = _check_generate(args)
+    _check_device(args.device)
     import torch
 
     import sparsecompile
+    from sparsecompile.methods import make_config
     from sparsecompile.models.default_model import load_model
+    from sparsecompile.optimize import split_method_options
 
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as handle:
-            text = handle.read()
-    else:
-        text = args.prompt
+    options = _options(args, EngineConfig)
+    routed = split_method_options(args.method, options)  # every option checked before the model loads
+    EngineConfig(**routed["engine"])
+    make_config(args.method, routed["method"])
     model, tokenizer = load_model(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
-    sparsecompile.optimize(model, args.method, show_progress=True, **_options(args, EngineConfig))
+    sparsecompile.optimize(model, args.method, show_progress=True, **options)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
@@ -226,12 +303,19 @@ def _generate(args: argparse.Namespace) -> int:
     if args.temperature > 0:
         sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
         torch.manual_seed(args.seed)
+    streamer = None
+    if not args.no_stream:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, **sampling)
+                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, streamer=streamer,
+                         **sampling)
     elapsed = time.perf_counter() - start
     new = out.sequences[0, ids.shape[1]:]
-    print(tokenizer.decode(new, skip_special_tokens=True))
+    if streamer is None:
+        print(tokenizer.decode(new, skip_special_tokens=True), flush=True)
     print(f"\n[{ids.shape[1]} prompt tokens, {new.numel()} generated in {elapsed:.2f} s, method {args.method}]",
           file=sys.stderr)
     cache = out["cache" if "cache" in out else "past_key_values"]
@@ -254,12 +338,28 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _first_pass(argv: list[str]) -> None:
+    """Parse without the method flags (no torch import) and check what needs no model: instant errors."""
+    light = build_parser(with_methods=False)
+    args, _ = light.parse_known_args(argv)
+    if args.command == "generate":
+        try:
+            _check_generate(args)
+        except ValueError as err:
+            light.exit(2, f"sparsecompile generate: error: {err}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
-        return _bench(argparse.Namespace(args=argv[1:]))
+        return _bench(argv[1:])
     top_level = not argv or argv[0].startswith("-")  # `sparsecompile --help`, or no subcommand: no torch import
-    parser = build_parser(with_methods=not top_level)
+    if top_level:
+        build_parser(with_methods=False).parse_args(argv)
+        return 2
+    if not {"-h", "--help"} & set(argv):
+        _first_pass(argv)
+    parser = build_parser(with_methods=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -268,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "warmup":
             return _warmup(args)
-    except (ValueError, FileNotFoundError, TypeError) as err:
-        parser.exit(2, f"sparsecompile: error: {err}\n")
+    except (ValueError, TypeError, OSError) as err:
+        parser.exit(2, f"sparsecompile {args.command}: error: {err}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "\nsparsecompile: interrupted\n")
     return 1
 
 

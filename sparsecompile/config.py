@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import os
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,11 +52,22 @@ def field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
+def _described(value: Any) -> str:
+    """``value`` for a message; a string that holds a number says so (``page_size="16"``: pass the int)."""
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            return repr(value)
+        return f"the string {value!r} (pass the number {number}, not a string)"
+    return repr(value)
+
+
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MethodConfigError(f"{name} must be a positive integer, got {value!r}")
+        raise MethodConfigError(f"{name} must be a positive integer, got {_described(value)}")
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -81,12 +92,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1 \
                 or self.page_size & (self.page_size - 1):
-            raise MethodConfigError(f"page_size must be a positive power of two (an int), got {self.page_size!r}")
+            raise MethodConfigError(f"page_size must be a positive power of two (an int), got "
+                                    f"{_described(self.page_size)}")
         if self.prefill_chunk_size is not None and (isinstance(self.prefill_chunk_size, bool)
                                                     or not isinstance(self.prefill_chunk_size, int)
                                                     or self.prefill_chunk_size < 0):
             raise MethodConfigError(f"prefill_chunk_size must be an int >= 0 (0 = whole prompt), "
-                                    f"got {self.prefill_chunk_size!r}")
+                                    f"got {_described(self.prefill_chunk_size)}")
         for name in ("compile", "cuda_graphs"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise MethodConfigError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
@@ -109,9 +121,14 @@ class ServingConfig:
     cuda_graph_sizes: list[int] | None = option(None, "decode batch sizes compiled and graph-captured (default: "
                                                       "powers of two up to max_num_seqs)")
     model_name: str | None = option(None, "the model id clients send (default: the model path)")
+    seed: int | None = option(None, "default sampling seed for requests that set none: the engine's n-th such "
+                                    "request samples with seed + n, so a rerun gives the same tokens (default: "
+                                    "unseeded)")
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise MethodConfigError(f"seed must be an integer or None, got {_described(self.seed)}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
@@ -150,8 +167,6 @@ class ServerConfig:
                                        "slower connections are closed (408 for a body)")
     chat_template: str | None = option(None, "chat template for /v1/chat/completions: a file or a Jinja string "
                                              "(default: the tokenizer's)")
-    seed: int | None = option(None, "seed of every request that sends none (then identical requests get identical "
-                                    "completions; default: unseeded requests draw from the global RNG)")
     uvicorn_log_level: str = option("info", f"uvicorn log level: {', '.join(UVICORN_LOG_LEVELS)}")
 
     def __post_init__(self) -> None:
@@ -161,8 +176,6 @@ class ServerConfig:
         timeout = self.read_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise MethodConfigError(f"read_timeout must be a number of seconds > 0, got {timeout!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise MethodConfigError(f"seed must be an integer, got {self.seed!r}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise MethodConfigError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                                     f"got {self.uvicorn_log_level!r}")
@@ -201,16 +214,93 @@ class MethodConfig:
         return cls(**options)
 
 
+# ---------------------------------------------------------------------------------------------------- aliases
+@dataclass(frozen=True)
+class Alias:
+    """Another project's name for one of our options, so code written for it runs unchanged.
+
+    ``convert`` maps a value in that project's convention to ours; ``conflicts`` names options it cannot be
+    given with (its target always conflicts); ``scope`` restricts it to one group of methods (the caller says
+    which methods are in each group), None to any method.
+    """
+
+    target: str
+    origin: str
+    convert: Callable[[Any], Any] | None = None
+    conflicts: tuple[str, ...] = ()
+    scope: str | None = None
+
+
+def _kept_fraction(compression_ratio: Any) -> float:
+    """kvpress' ``compression_ratio`` (the fraction of the prompt removed) as our ``ratio`` (the fraction kept).
+
+    ``1 - compression_ratio`` in float, as kvpress computes ``n_kept = int(q_len * (1 - compression_ratio))``.
+    """
+    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)) \
+            or not 0 <= compression_ratio < 1:
+        raise MethodConfigError(f"compression_ratio (kvpress: the fraction of the prompt removed) must be in [0, 1), "
+                                f"got {_described(compression_ratio)}")
+    return 1 - compression_ratio
+
+
+#: the one table of option aliases: their name -> ours (read by :func:`split_options`)
+OPTION_ALIASES: dict[str, Alias] = {
+    "block_size": Alias("page_size", "vLLM's name for page_size"),
+    "compression_ratio": Alias("ratio", "kvpress' fraction of the prompt removed (ratio = 1 - compression_ratio)",
+                               _kept_fraction, conflicts=("budget",), scope="eviction"),
+}
+
+#: ``dtype`` names accepted by ``LLM`` and the CLI (vLLM's): name -> torch attribute (None: "auto", the device's
+#: default: bfloat16 on CUDA, float32 on CPU)
+DTYPE_NAMES: dict[str, str | None] = {"auto": None, "float32": "float32", "float": "float32",
+                                      "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+
+
+def dtype_attribute(name: str) -> str | None:
+    """The torch attribute for a dtype name of :data:`DTYPE_NAMES` (None for "auto"); clear error otherwise."""
+    if not isinstance(name, str) or name.lower() not in DTYPE_NAMES:
+        raise MethodConfigError(f"dtype must be a torch.dtype or one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+    return DTYPE_NAMES[name.lower()]
+
+
+def resolve_aliases(options: dict[str, Any], method: str,
+                    scopes: Mapping[str, Collection[str]] | None = None) -> dict[str, Any]:
+    """``options`` with every alias of :data:`OPTION_ALIASES` replaced by its target (value converted).
+
+    ``scopes`` maps a scope name to the methods in it. Raises :class:`MethodConfigError` when an alias is given
+    with its target or a conflicting option, or for a method outside its scope.
+    """
+    resolved = {name: value for name, value in options.items() if name not in OPTION_ALIASES}
+    for name, value in options.items():
+        alias = OPTION_ALIASES.get(name)
+        if alias is None:
+            continue
+        if alias.scope is not None:
+            members = sorted((scopes or {}).get(alias.scope, ()))
+            if method not in members:
+                raise MethodConfigError(f"{name!r} ({alias.origin}) applies to the {alias.scope} methods "
+                                        f"({', '.join(members) or 'none registered'}), not to {method!r}")
+        clashes = [other for other in (alias.target, *alias.conflicts) if other in options]
+        if clashes:
+            raise MethodConfigError(f"{name!r} ({alias.origin}) cannot be given with {', '.join(map(repr, clashes))}; "
+                                    f"pass one of {', '.join(repr(o) for o in (name, alias.target, *alias.conflicts))}")
+        resolved[alias.target] = alias.convert(value) if alias.convert is not None else value
+    return resolved
+
+
 # ---------------------------------------------------------------------------------------------------- routing
 def split_options(options: dict[str, Any], method: str, method_options: Iterable[str],
                   accepted: tuple[str, ...] = OPTION_KINDS,
-                  owners: Callable[[str], list[str]] | None = None) -> dict[str, dict[str, Any]]:
+                  owners: Callable[[str], list[str]] | None = None,
+                  scopes: Mapping[str, Collection[str]] | None = None) -> dict[str, dict[str, Any]]:
     """Route ``options`` to ``{"engine": ..., "serving": ..., "method": ...}`` by the dataclass that declares each.
 
+    Aliases (:data:`OPTION_ALIASES`) are resolved first (``scopes``: see :func:`resolve_aliases`).
     ``accepted`` names the kinds the caller takes (``optimize()`` takes no serving options); ``owners(name)``
     lists the methods that declare an option (for the message when ``method`` does not). Raises
     :class:`MethodConfigError` naming, for each refused option, which kind it was taken for and what to do.
     """
+    options = resolve_aliases(options, method, scopes)
     kinds = {"engine": set(field_names(EngineConfig)), "serving": set(field_names(ServingConfig)),
              "method": set(method_options)}
     routed: dict[str, dict[str, Any]] = {kind: {} for kind in OPTION_KINDS}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from .config import EngineConfig, MethodConfigError, split_options
-from .methods import build_runtime, method_class, option_owners
+from .methods import available_methods, build_runtime, method_class, option_owners
+from .methods.eviction import EvictionConfig
 from .models.attention import ATTN_IMPLEMENTATION, register_attention
 from .models.colocate import colocate_projections, separate_projections
 from .models.hf_patch import install, install_sdpa_fallback, patch_of, uninstall
@@ -18,11 +22,55 @@ from .runtime.compilation import decode_compiled, decode_cuda_graphs, enable_com
 from .runtime.controller import SparseController
 
 
+def eviction_methods() -> list[str]:
+    """The registered methods that evict KV (their config takes ``budget`` / ``ratio`` of the prompt kept)."""
+    return [name for name in available_methods() if issubclass(method_class(name).config_class, EvictionConfig)]
+
+
 def split_method_options(method: str, options: dict[str, Any],
                          accepted: tuple[str, ...] = ("engine", "method")) -> dict[str, dict[str, Any]]:
-    """Route ``options`` into engine / serving / method options for ``method`` (clear errors otherwise)."""
+    """Route ``options`` into engine / serving / method options for ``method`` (clear errors otherwise).
+
+    Aliases of ``config.OPTION_ALIASES`` are resolved here (``compression_ratio`` for the eviction methods)."""
     cls = method_class(method)
-    return split_options(options, method, cls.config_class.option_names(), accepted, owners=option_owners)
+    return split_options(options, method, cls.config_class.option_names(), accepted, owners=option_owners,
+                         scopes={"eviction": eviction_methods()})
+
+
+def check_model_object(model: Any) -> None:
+    """Refuse, up front and saying what to pass instead, anything that is not an HF causal LM instance."""
+    if isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"optimize() takes a loaded model, got the {type(model).__name__} {str(model)!r}: load it "
+                        "first (transformers.AutoModelForCausalLM.from_pretrained(...)), or pass the path or model id "
+                        "to sparsecompile.LLM(...)")
+    if isinstance(model, type):
+        raise TypeError(f"optimize() takes a model instance, got the class {model.__name__}: instantiate it "
+                        f"({model.__name__}.from_pretrained(...))")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() takes an HF causal LM (a torch.nn.Module with generate()), got a "
+                        f"{type(model).__name__}")
+    if getattr(model, "config", None) is None or not callable(getattr(model, "generate", None)):
+        raise UnsupportedModelError(f"{type(model).__name__} is not an HF causal LM (a PreTrainedModel with a config "
+                                    "and generate(), e.g. from AutoModelForCausalLM); a base model without its "
+                                    "language-model head, or a plain nn.Module, cannot generate")
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, method: str = "vanilla", **options: Any) -> Iterator[nn.Module]:
+    """``with sparsecompile.patched(model, method="snapkv", budget=512): model.generate(...)``: the model is
+    optimized inside the block and restored on leaving it, also when the block raises.
+
+    Takes what :func:`optimize` takes (``compression_ratio`` as kvpress means it, for the eviction methods).
+    A model already optimized is refused: leaving the block would drop that earlier patch.
+    """
+    if patch_of(model) is not None:
+        raise ValueError("the model is already optimized by sparsecompile; restore() it before entering "
+                         "sparsecompile.patched(...), or call optimize() to change its method")
+    optimize(model, method, **options)
+    try:
+        yield model
+    finally:
+        restore(model)
 
 
 def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Module:
@@ -34,13 +82,19 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         **options: the method's options (its config dataclass in ``methods/<method>.py``) and the engine options
             of :class:`sparsecompile.config.EngineConfig` (``page_size``, ``prefill_chunk_size``, ``compile``,
             ``cuda_graphs``, ``num_pages``, ``show_progress``, ``fuse_projections``, ``compile_cache``; their
-            defaults and help: ``sparsecompile generate --help``).
+            defaults and help: ``sparsecompile generate --help``); aliases: ``block_size``
+            (vLLM) for ``page_size``, ``compression_ratio`` (kvpress: the fraction of the prompt removed) for an
+            eviction method's ``ratio = 1 - compression_ratio``).
 
     Raises:
+        TypeError: ``model`` is not a model instance (a path, a model id, a class).
         MethodConfigError: unknown method, unknown or out-of-range option (the message says which kind of option
             it was taken for).
-        UnsupportedModelError: the model uses something we cannot serve correctly (the message says what).
+        UnsupportedModelError: the model uses something we cannot serve correctly (the message says what): not a
+            causal LM, weights offloaded to CPU / disk or still on the meta device, layers spread over several
+            devices, attention features we do not implement.
     """
+    check_model_object(model)
     routed = split_method_options(method, options)
     config = EngineConfig(**routed["engine"])
     if patch_of(model) is not None:
@@ -119,4 +173,5 @@ def _check_capture(model: nn.Module, controller: SparseController, num_layers: i
                            "sparsecompile (the model ignores set_attn_implementation); refusing to run silently dense")
 
 
-__all__ = ["MethodConfigError", "UnsupportedModelError", "optimize", "restore", "split_method_options"]
+__all__ = ["MethodConfigError", "UnsupportedModelError", "check_model_object", "eviction_methods", "optimize",
+           "patched", "restore", "split_method_options"]

@@ -162,7 +162,7 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
 
     def sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, config.seed)
+            return body.sampling_params(max_tokens)
         except RequestRejected as err:
             raise APIError(400, str(err)) from None
 

@@ -69,8 +69,9 @@ class _SamplingFields(BaseModel):
     def _prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int, default_seed: int | None = None) -> SamplingParams:
-        """The engine's :class:`SamplingParams` for this request (``default_seed`` for a request without a seed);
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's :class:`SamplingParams` for this request (a request without a seed takes the
+        engine's default, ``ServingConfig.seed``);
         raises ``RequestRejected`` on bad values."""
         bias = None
         if self.logit_bias:
@@ -80,8 +81,8 @@ class _SamplingFields(BaseModel):
                     raise RequestRejected(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
                 bias[int(key)] = value
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, seed=self.seed if self.seed is not None else
-                              default_seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_tokens=self.min_tokens, logit_bias=bias, logprobs=self._logprobs(),

@@ -134,6 +134,7 @@ class LLMEngine:
         self._logprobs = LogprobRecorder(tokenizer)
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self._default_seeds = 0  # requests seeded from config.seed so far
 
     def _pages_from_memory(self, config: ServingConfig, max_num_seqs: int) -> int:
         """Pages that fit the KV memory budget, capped by what ``max_num_seqs`` full-length requests could use."""
@@ -149,21 +150,29 @@ class LLMEngine:
         return pages
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; :class:`RequestRejected` (with the reason) when it can never be served."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    prompt_text: str | None = None) -> None:
+        """Queue a request; :class:`RequestRejected` (with the reason) when it can never be served.
+
+        ``prompt_text``: with token ids, the text they came from (a rendered chat), reported as the output's
+        ``prompt``. A request without a seed gets the next default seed when ``ServingConfig.seed`` is set.
+        """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer(prompt).input_ids
         else:
-            text, ids = None, list(prompt)
+            text, ids = prompt_text, list(prompt)
         vocab = self.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
         if any(t >= vocab for t in params.logit_bias or {}):
             raise RequestRejected(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.seed is None and self.config.seed is not None:
+            params = replace(params, seed=self.config.seed + self._default_seeds)
+            self._default_seeds += 1
         metrics = RequestMetrics(time.monotonic(), num_prompt_tokens=len(ids))
         request = Request(request_id, ids, params, metrics, prompt=text)
         self.scheduler.add(request)
@@ -185,14 +194,18 @@ class LLMEngine:
         return live
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template, the assistant's turn opened.
+        """Token ids of a conversation rendered by the tokenizer's chat template, the assistant's turn opened."""
+        return self.chat_prompt(messages)[1]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """A conversation rendered by the tokenizer's chat template (the assistant's turn opened), and its ids.
 
         Tokenized without adding special tokens again: the template already holds the ones the model expects.
         """
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestRejected("the tokenizer has no chat template; send a raw prompt (/v1/completions) instead")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its pages (unknown or finished ids are ignored)."""
