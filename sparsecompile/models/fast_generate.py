@@ -94,7 +94,7 @@ class SparseSampleLoop:
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
             step += 1
-            checks.append(self._record(step, unfinished, next_tokens))
+            checks.append(self._record(step, unfinished, next_tokens if streamer is not None else None))
             at_max = max_length is not None and input_ids.shape[1] >= max_length
             while checks and (len(checks) > lag or at_max):
                 done_step, finished = self._read(checks.popleft(), streamer)
@@ -122,13 +122,16 @@ class SparseSampleLoop:
                                          **{_OUTPUT_CACHE_FIELD: cache})
 
     @staticmethod
-    def _record(step: int, unfinished: torch.Tensor, tokens: torch.Tensor):
-        """Start copying this step's finished flag (and tokens, for a streamer) to the host without waiting."""
-        pinned = tokens.device.type == "cuda"
+    def _record(step: int, unfinished: torch.Tensor, tokens: torch.Tensor | None):
+        """Start copying this step's finished flag (and tokens, when a streamer wants them) to the host without
+        waiting."""
+        pinned = unfinished.device.type == "cuda"
         flag = torch.empty((), dtype=torch.bool, pin_memory=pinned)
-        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
         flag.copy_(unfinished.max() == 0, non_blocking=True)
-        host_tokens.copy_(tokens, non_blocking=True)
+        host_tokens = None
+        if tokens is not None:
+            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
+            host_tokens.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event() if pinned else None
         if event is not None:
             event.record()
@@ -139,6 +142,6 @@ class SparseSampleLoop:
         step, flag, tokens, event = check
         if event is not None:
             event.synchronize()
-        if streamer is not None:
+        if streamer is not None and tokens is not None:
             streamer.put(tokens.clone())
         return step, bool(flag)
