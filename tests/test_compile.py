@@ -51,6 +51,7 @@ def test_warmup_compiles_ahead_into_the_disk_cache(tmp_path, monkeypatch, caplog
     caplog.set_level("INFO", logger="sparsecompile")
     logger = __import__("logging").getLogger("sparsecompile")
     monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "disabled", False)  # a logging.config call elsewhere in the session may disable it
     seconds = sparsecompile.warmup(model, batch_sizes=[2], prompt_len=12, max_new_tokens=8)
     assert set(seconds) == {2}
     assert "compiling the decode step for batch 2" in caplog.text

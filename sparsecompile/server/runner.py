@@ -81,9 +81,11 @@ def _head_timeout_protocol(read_timeout: float) -> type[asyncio.Protocol] | str:
 
 def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
     """The uvicorn settings ``serve`` runs ``app`` with (tests reuse them)."""
+    # uvicorn's default logging config disables every logger created before it (ours: "sparsecompile")
+    log_config = {**uvicorn.config.LOGGING_CONFIG, "disable_existing_loggers": False}
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                           http=_head_timeout_protocol(config.read_timeout), lifespan="on",
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, log_config=log_config)
 
 
 class DrainingServer(uvicorn.Server):
