@@ -69,11 +69,7 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     from .models.default_model import load_model, resolve_model_path
-    from .models.export_programs import export_decode, export_prefill
-    from .models.hf_patch import patched_model
-    from .optimize import optimize, split_method_options
-    from .runtime.state_binding import decode_state
-    from .serving.engine import LLMEngine
+    from .optimize import optimize, restore, split_method_options
 
     routed = split_method_options(method, options, accepted=OPTION_KINDS)
     serving = ServingConfig(**routed["serving"])
@@ -89,6 +85,20 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
         name = serving.model_name or (str(given) if given is not None else resolve_model_path(None).name)
     optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},
              **routed["method"])
+    try:
+        return _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form)
+    finally:
+        restore(model)  # the programs hold what they need; give the model back as it came
+
+
+def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, dict[str, Any]], serving: ServingConfig,
+                    engine_options: dict[str, Any], name: str | None, out: Path, form: str) -> Path:
+    """Trace, compile and write the artifact of a model patched for export (see :func:`export`)."""
+    from .models.export_programs import export_decode, export_prefill
+    from .models.hf_patch import patched_model
+    from .runtime.state_binding import decode_state
+    from .serving.engine import LLMEngine
+
     patched = patched_model(model)
     controller = patched.controller
     engine = LLMEngine(model, tokenizer, replace(serving, kv_cache_memory=None, gpu_memory_utilization=None))
@@ -99,7 +109,6 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
     decode, state = export_decode(model, decode_state(controller), example_batch, max_batch)
     programs = {"prefill": export_prefill(model, engine.max_model_len), "decode": decode}
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device_ = controller.layout.device
     files: list[str] = []

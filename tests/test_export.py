@@ -148,3 +148,16 @@ def test_options_the_programs_fix_cannot_change_at_load(artifacts):
         sparsecompile.load(artifacts["vanilla"], max_num_seqs=8)
     with pytest.raises(ArtifactError, match=r"\['budget'\] cannot change at load"):
         sparsecompile.load(artifacts["snapkv"], budget=8)
+
+
+@pytest.mark.slow
+def test_the_exported_form_serves_the_same_tokens(smollm2_cut, tmp_path):
+    """The fallback form (torch.export programs run as they are, for hosts where AOTI packages do not load)."""
+    path = sparsecompile.export(str(smollm2_cut), tmp_path / "exported", "snapkv", form="exported", **ENGINE,
+                                **METHODS["snapkv"])
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["form"] == "exported" and "decode.ep.pt2" in manifest["files"]
+    loaded = sparsecompile.load(path)
+    eager = sparsecompile.LLM(str(smollm2_cut), "snapkv", **ENGINE, **METHODS["snapkv"])
+    assert ([o.outputs[0].token_ids for o in loaded.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)])
