@@ -54,7 +54,7 @@ EXAMPLE_PAGES = 97
 
 def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLike, method: str = "vanilla", *,
            tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str = "aoti",
-           **options: Any) -> Path:
+           compile_cache: bool = True, **options: Any) -> Path:
     """Export ``model`` with ``method`` into the artifact directory ``out_dir``; returns its path.
 
     Args:
@@ -64,7 +64,9 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             ``max_num_seqs`` and ``max_model_len`` are fixed in the artifact (the decode program's tables have
             their shapes); the KV memory is chosen at load.
         form: ``"aoti"`` (AOTInductor packages) or ``"exported"`` (torch.export programs: the fallback for hosts
-            where AOTI packages do not load; slower unless a compile cache ships with them).
+            where AOTI packages do not load).
+        compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
+            the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -86,13 +88,15 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
     optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},
              **routed["method"])
     try:
-        return _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form)
+        return _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form,
+                               compile_cache)
     finally:
         restore(model)  # the programs hold what they need; give the model back as it came
 
 
 def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, dict[str, Any]], serving: ServingConfig,
-                    engine_options: dict[str, Any], name: str | None, out: Path, form: str) -> Path:
+                    engine_options: dict[str, Any], name: str | None, out: Path, form: str,
+                    compile_cache: bool) -> Path:
     """Trace, compile and write the artifact of a model patched for export (see :func:`export`)."""
     from .models.export_programs import export_decode, export_prefill
     from .models.hf_patch import patched_model
@@ -127,6 +131,8 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
             _save_program(ep, out / file)
         specs[key]["file"] = file
         files.append(file)
+    if form == "exported" and compile_cache:
+        files.append(_compile_cache(out, specs["decode"], controller, model, engine.graph_sizes))
 
     weights = _save_weights(model, programs.values(), out / "weights.safetensors")
     tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -212,6 +218,32 @@ def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: di
                                                              inductor_configs=configs)
             os.replace(built, cached)
     shutil.copyfile(cached, target)
+
+
+def _compile_cache(out: Path, spec: dict[str, Any], controller, model: nn.Module, buckets: list[int]) -> str:
+    """The fallback form's warm start: compile the saved decode program exactly as ``load`` will (loaded from disk,
+    same inductor options, pool pages dynamic) at every batch bucket, over padding-only steps that change nothing,
+    and save the compiler's cache artifacts next to it; returns the file name."""
+    from .models.export_programs import program_weights
+    from .serving.artifact import ArtifactDecode, ExportedProgramRunner, per_page_inputs
+
+    spec["inductor"] = _inductor_configs(controller.runtime.reads_pool_across_layers)
+    spec["inductor"].pop("aot_inductor.package_constants_in_so")
+    torch.compiler.reset()
+    runner = ExportedProgramRunner(out / spec["file"], program_weights(model), len(spec["inputs"]), spec["inductor"],
+                                   per_page_inputs(spec))
+    decode = ArtifactDecode(runner, controller, spec["state"])
+    decode.bind_state()
+    controller.install_decode_step(decode)
+    empty = torch.zeros(0, 1, dtype=torch.long, device=controller.layout.device)
+    for batch in buckets:
+        controller.decode(None, [], empty, empty, pad_to=batch)
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        raise ArtifactError("torch.compiler.save_cache_artifacts returned nothing after compiling the decode program")
+    spec["compile_cache"] = "decode.cache.bin"
+    (out / spec["compile_cache"]).write_bytes(saved[0])
+    return spec["compile_cache"]
 
 
 def _save_program(ep: torch.export.ExportedProgram, target: Path) -> None:

@@ -35,7 +35,7 @@ from ..runtime.attend_op import serving
 from ..runtime.compilation import wanted
 from ..runtime.controller import SparseController
 from ..runtime.model_info import ModelInfo
-from ..runtime.state_binding import StateSlot, decode_state, state_tensors
+from ..runtime.state_binding import POOL_PREFIXES, StateSlot, decode_state, state_tensors
 from .engine import LLMEngine
 from .manifest import ArtifactError, check, read
 
@@ -89,9 +89,13 @@ class ExportedProgramRunner:
     """The fallback form: a ``torch.export`` program with the artifact's weights as its parameters.
 
     ``leading``: the program takes that many tensors, then the rest as one tuple (the decode step's state).
+    ``compile``: None (run the program as it is) or the inductor options it was compiled with at export; the
+    compile then starts warm from the shipped cache artifacts (same graph, same options, same dynamic dims:
+    ``dynamic`` lists the flat inputs whose first dimension is the pool's page count).
     """
 
-    def __init__(self, path: Path, weights: dict[str, torch.Tensor], leading: int | None, compiled: bool) -> None:
+    def __init__(self, path: Path, weights: dict[str, torch.Tensor], leading: int | None,
+                 compile: dict[str, Any] | None = None, dynamic: list[int] | None = None) -> None:
         ep = torch.export.load(str(path))
         for name, placeholder in list(ep.state_dict.items()):
             if name not in weights:
@@ -100,10 +104,17 @@ class ExportedProgramRunner:
             ep.state_dict[name] = (torch.nn.Parameter(tensor, requires_grad=False)
                                    if isinstance(placeholder, torch.nn.Parameter) else tensor)
         module = ep.module()
-        self.fn = torch.compile(module, fullgraph=True, dynamic=None) if compiled else module
+        self.fn = module if compile is None else torch.compile(module, fullgraph=True, options=compile)
         self.leading = leading
+        self.dynamic = list(dynamic or [])
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.dynamic:  # any pool size, one graph per batch bucket (the order buckets arrive in does not matter)
+            for index, tensor in enumerate(inputs):
+                if index in self.dynamic:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                elif index < (self.leading or 0):
+                    torch._dynamo.mark_static(tensor, 0)
         args = inputs if self.leading is None else [*inputs[: self.leading], tuple(inputs[self.leading:])]
         with torch.no_grad():
             out = self.fn(*args)
@@ -119,8 +130,15 @@ def open_program(root: Path, manifest: dict[str, Any], name: str, device: torch.
     cache = spec.get("compile_cache")
     if cache:
         torch.compiler.load_cache_artifacts((root / cache).read_bytes())
-    leading = len(spec["inputs"]) if spec.get("state") else None
-    return ExportedProgramRunner(path, weights, leading, compiled=bool(cache))
+    leading = len(spec["inputs"]) if "state" in spec else None
+    return ExportedProgramRunner(path, weights, leading, spec.get("inductor") if cache else None,
+                                 per_page_inputs(spec))
+
+
+def per_page_inputs(spec: dict[str, Any]) -> list[int]:
+    """Flat input indices of a decode program whose first dimension is the pool's page count."""
+    lead = len(spec["inputs"])
+    return [lead + i for i, name in enumerate(spec.get("state", [])) if name.startswith(POOL_PREFIXES)]
 
 
 @dataclass

@@ -93,13 +93,19 @@ def test_a_fresh_process_serves_the_8b_shape_artifact_token_for_token(method, mo
 
 
 def test_the_exported_form_serves_without_aoti(model_and_tokenizer, tmp_path):
-    """The fallback form (torch.export programs, run eagerly; decode still replayed from CUDA graphs)."""
+    """The fallback form: torch.export programs; the decode program compiled at load, warm from the shipped cache
+    artifacts (no inductor compile misses), and replayed from CUDA graphs."""
     import sparsecompile
 
     model, tokenizer = model_and_tokenizer
     path = sparsecompile.export(model, tmp_path / "exported", "snapkv", tokenizer=tokenizer, form="exported",
                                 **ENGINE, **METHODS["snapkv"])
+    from torch._dynamo.utils import counters
+
+    torch.compiler.reset()
+    counters.clear()
     llm = sparsecompile.load(path)
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 3 and not counters["inductor"]["fxgraph_cache_miss"]
     params = sparsecompile.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
     assert sorted(llm.llm_engine.controller._compiled_decode.graphs) == [1, 2, 4]
