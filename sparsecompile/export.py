@@ -16,10 +16,10 @@ is: the loader rebuilds the same SparseController from the manifest. What is exp
   layer's write / view / attention would then run as eager launches inside the graph (some twenty small
   kernels per layer instead of a few fused ones): several percent of a batch-1 decode step.
 * **prefill**: the model math with each layer's attention as one opaque ``sparsecompile::attend`` op that calls
-  the loading process's controller (``runtime/attend_op.py``). Prefill hooks are host-heavy (SnapKV's windows,
-  eviction plans, H2O's chunk-wise eviction read host counts), and a chunk's cost is its GEMMs, so keeping the
-  per-layer lifecycle eager costs nothing measurable and one program with a dynamic token count serves every
-  chunk length of every method (it is method-independent, and cached across exports).
+  the loading process's controller (``runtime/attend_op.py``); batch, tokens and kept positions are dynamic.
+  Prefill hooks are host-heavy (SnapKV's windows, eviction plans, H2O's chunk-wise eviction read host counts),
+  and a chunk's cost is its GEMMs, so keeping the per-layer lifecycle eager costs nothing measurable, and one
+  program serves every chunk shape of every method (it is method-independent, and cached across exports).
 
 Both programs take the weights as AOTInductor user-managed constants, stored once in ``weights.safetensors``.
 On CUDA, inductor's own kernels are cubins inside the packages; sparsecompile's ops (defined with
@@ -98,6 +98,7 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
                     engine_options: dict[str, Any], name: str | None, out: Path, form: str,
                     compile_cache: bool) -> Path:
     """Trace, compile and write the artifact of a model patched for export (see :func:`export`)."""
+    from .models.export_fusion import fuse_projections
     from .models.export_programs import export_decode, export_prefill
     from .models.hf_patch import patched_model
     from .runtime.state_binding import decode_state
@@ -111,13 +112,19 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
     empty = torch.zeros(0, 1, dtype=torch.long, device=controller.layout.device)
     controller.decode(patched.inner, [], empty, empty, pad_to=example_batch)  # creates the methods' lazy buffers
     decode, state = export_decode(model, decode_state(controller), example_batch, max_batch)
-    programs = {"prefill": export_prefill(model, engine.max_model_len), "decode": decode}
+    programs = {"prefill": export_prefill(model, engine.max_model_len, max_batch), "decode": decode}
+    fused: dict[str, int] = {}
+    if engine_options["fuse_projections"]:  # as the compiled decode step does: one GEMM per q/k/v and gate/up
+        shared: dict[str, torch.Tensor] = {}
+        for key in programs:
+            programs[key], fused[key] = fuse_projections(programs[key], shared)
 
     out.mkdir(parents=True, exist_ok=True)
     device_ = controller.layout.device
     files: list[str] = []
     specs: dict[str, dict[str, Any]] = {
-        "prefill": {"inputs": ["input_ids", "position_ids"], "tokens": [1, engine.max_model_len]},
+        "prefill": {"inputs": ["input_ids", "position_ids", "keep"], "tokens": [1, engine.max_model_len],
+                    "batch": [1, max_batch]},
         "decode": {"inputs": ["input_ids", "positions", "rows", "new_offsets", "num_new"],
                    "state": [slot.name for slot in state], "batch": [1, max_batch]},
     }
@@ -130,11 +137,13 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
             file = f"{key}.ep.pt2"
             _save_program(ep, out / file)
         specs[key]["file"] = file
+        specs[key]["fused_groups"] = fused.get(key, 0)
         files.append(file)
     if form == "exported" and compile_cache:
-        files.append(_compile_cache(out, specs["decode"], controller, model, engine.graph_sizes))
+        files.append(_compile_cache(out, specs["decode"], controller, dict(programs["decode"].state_dict),
+                                    engine.graph_sizes))
 
-    weights = _save_weights(model, programs.values(), out / "weights.safetensors")
+    weights = _save_weights(programs.values(), out / "weights.safetensors")
     tokenizer.save_pretrained(str(out / "tokenizer"))
     files += [str(p.relative_to(out)) for p in sorted((out / "tokenizer").rglob("*")) if p.is_file()]
     model.config.to_json_file(str(out / "config.json"))
@@ -220,17 +229,17 @@ def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: di
     shutil.copyfile(cached, target)
 
 
-def _compile_cache(out: Path, spec: dict[str, Any], controller, model: nn.Module, buckets: list[int]) -> str:
+def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[str, torch.Tensor],
+                   buckets: list[int]) -> str:
     """The fallback form's warm start: compile the saved decode program exactly as ``load`` will (loaded from disk,
     same inductor options, pool pages dynamic) at every batch bucket, over padding-only steps that change nothing,
     and save the compiler's cache artifacts next to it; returns the file name."""
-    from .models.export_programs import program_weights
     from .serving.artifact import ArtifactDecode, ExportedProgramRunner, per_page_inputs
 
     spec["inductor"] = _inductor_configs(controller.runtime.reads_pool_across_layers)
     spec["inductor"].pop("aot_inductor.package_constants_in_so")
     torch.compiler.reset()
-    runner = ExportedProgramRunner(out / spec["file"], program_weights(model), len(spec["inputs"]), spec["inductor"],
+    runner = ExportedProgramRunner(out / spec["file"], weights, len(spec["inputs"]), spec["inductor"],
                                    per_page_inputs(spec))
     decode = ArtifactDecode(runner, controller, spec["state"])
     decode.bind_state()
@@ -258,21 +267,19 @@ def _save_program(ep: torch.export.ExportedProgram, target: Path) -> None:
         ep.state_dict.update(saved)
 
 
-def _save_weights(model: nn.Module, programs, target: Path) -> dict[str, Any]:
-    """Every weight the programs read, once (tied names become aliases); returns the manifest's weights entry."""
+def _save_weights(programs, target: Path) -> dict[str, Any]:
+    """Every weight and constant the programs read, once (names of one tensor become aliases); returns the
+    manifest's weights entry."""
     from safetensors.torch import save_file
 
-    from .models.export_programs import program_weights
-
-    named = program_weights(model)
-    used = sorted({name for ep in programs for name in [*ep.state_dict, *ep.constants] if name in named})
-    missing = [name for name in used if name not in named]
-    if missing:
-        raise ArtifactError(f"the programs read weights the model does not name: {missing[:5]}")
+    named: dict[str, torch.Tensor] = {}
+    for ep in programs:
+        named.update(ep.state_dict)
+        named.update({k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)})
     stored: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    for name in used:
+    for name in sorted(named):
         t = named[name]
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if key in seen:

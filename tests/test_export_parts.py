@@ -9,6 +9,7 @@ from method_matrix import DENSE_EQUIVALENT
 from tiny_models import tiny_pair
 
 import sparsecompile
+from sparsecompile.models.export_fusion import fuse_projections
 from sparsecompile.models.export_programs import ExportError, export_decode, export_prefill
 from sparsecompile.models.hf_patch import patched_model
 from sparsecompile.runtime.attend_op import attend, serving
@@ -96,31 +97,37 @@ def _twins(method: str, **options):
 def test_exported_programs_step_like_the_eager_engine(method, options):
     """Twin engines: one eager, one running the exported programs (prefill with attention called back, decode
     with the method traced in and its state as inputs) as plain torch.export programs. Logits and every state
-    tensor stay equal through chunked prefill (budgets below the prompt: evicting / selecting) and padded decode."""
+    tensor stay equal through a batched, left-padded, chunked prefill (budgets below the prompt: evicting /
+    selecting) and padded decode."""
     (_, model), (eager, served) = _twins(method, **options)
     a, b = eager.controller, served.controller
     program, state = export_decode(model, decode_state(b), 3, 4)
-    step_program = program.module()
-    prefill = export_prefill(model, 64).module()
+    shared: dict = {}  # q/k/v and gate/up fused, as sparsecompile.export does: one tensor for both programs
+    program, fused = fuse_projections(program, shared)
+    prefill, fused_prefill = fuse_projections(export_prefill(model, 64, 4), shared)
+    assert fused == fused_prefill == 4  # 2 layers x (q/k/v, gate/up)
+    assert not any(name.endswith((".q_proj.weight", ".up_proj.weight")) for name in program.state_dict)
+    step_program, prefill = program.module(), prefill.module()
 
     def prefill_inner(input_ids, inputs_embeds, position_ids, logits_to_keep):
+        keep = torch.arange(input_ids.shape[1] - logits_to_keep, input_ids.shape[1])
         with serving(b):
-            return prefill(input_ids, position_ids)
+            return prefill(input_ids, position_ids, keep)
 
     b.install_decode_step(lambda inner, step, input_ids, positions: step_program(
         input_ids, positions, step.rows, step.new_offsets, step.num_new, tuple(s.get() for s in state)))
     rows = [c.add_sequences(2) for c in (a, b)]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 96, (2, 19), generator=g)
-    positions = torch.arange(19)[None].expand(2, -1)
-    valid = torch.ones(1, 19, dtype=torch.bool)
-    for r in range(2):
-        want = a.prefill(eager.inner, [rows[0][r]], ids[r:r + 1], None, positions[r:r + 1], valid, 1)
-        got = b.prefill(prefill_inner, [rows[1][r]], ids[r:r + 1], None, positions[r:r + 1], valid, 1)
-        torch.testing.assert_close(got, want)
+    valid = torch.ones(2, 19, dtype=torch.bool)
+    valid[1, :6] = False  # the second prompt is shorter: left-padded, as the engine batches prompt chunks
+    positions = torch.where(valid, valid.long().cumsum(1) - 1, 0)
+    want = a.prefill(eager.inner, rows[0], ids, None, positions, valid, 1)
+    got = b.prefill(prefill_inner, rows[1], ids, None, positions, valid, 1)
+    torch.testing.assert_close(got, want)
     token = torch.tensor([[7], [9]])
     for i in range(5):
-        position = torch.full((2, 1), 19 + i)
+        position = torch.tensor([[19 + i], [13 + i]])
         want = a.decode(eager.inner, rows[0], token, position, pad_to=3)
         got = b.decode(None, rows[1], token, position, pad_to=3)
         torch.testing.assert_close(got, want)

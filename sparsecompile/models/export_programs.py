@@ -1,9 +1,10 @@
 """The two programs an artifact exports from a patched HF model, and their ``torch.export`` calls.
 
-* **prefill**: ``(input_ids, position_ids [1, tokens]) -> logits [1, 1, vocab]``, tokens dynamic. Each attention
-  layer is one opaque ``sparsecompile::attend`` call (``runtime/attend_op.py``) answered at run time by the
-  loading process's SparseController, so prefill chunks keep their host-side method work (SnapKV windows,
-  eviction plans, H2O chunk eviction) in Python around a program without HF code.
+* **prefill**: ``(input_ids, position_ids [batch, tokens], keep [k]) -> logits [batch, k, vocab]`` (``keep``: the
+  positions whose logits are returned, the last one for sampling, all of them for prompt logprobs), batch, tokens
+  and k dynamic. Each attention layer is one opaque ``sparsecompile::attend`` call (``runtime/attend_op.py``)
+  answered at run time by the loading process's SparseController, so prefill chunks keep their host-side method
+  work (SnapKV windows, eviction plans, H2O chunk eviction) in Python around a program without HF code.
 * **decode**: one decode step with the method traced in, ``(input_ids, positions [batch, 1], rows [batch],
   new_offsets [batch, 1], num_new [batch], *state) -> logits [batch, 1, vocab]``: the model forward with each
   layer's ``CacheManager.write`` -> selection -> view -> ``paged_attention`` -> hooks, then the method's
@@ -12,7 +13,7 @@
   batch bucket at load) and so is the pool's page count (sized by the loading process's memory).
 
 The model's weights are the programs' parameters, under the same names in both (``lm.<HF name>``), so an
-artifact stores them once. Both programs run with ``logits_to_keep=1``: the engine samples one token per row.
+artifact stores them once. The decode program returns the one position's logits.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from ..runtime.attend_op import OpaqueAttention
+from ..passes.capture import CaptureError, check_capture, count_attention_sites
+from ..runtime.attend_op import OpaqueAttention, attend
 from ..runtime.state_binding import StateSlot, bound
 from ..runtime.step import StepState
 from .attention import CONTROLLER_ATTR
@@ -57,9 +59,10 @@ class PrefillProgram(nn.Module):
         self.lm = model
         self._patched = patched
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        # a 1D tensor of positions: HF's logits_to_keep takes it as well as an int, and it stays dynamic
         return self._patched.inner(input_ids=input_ids, inputs_embeds=None, position_ids=position_ids,
-                                   logits_to_keep=1)
+                                   logits_to_keep=keep)
 
 
 class DecodeProgram(nn.Module):
@@ -72,7 +75,8 @@ class DecodeProgram(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, new_offsets: torch.Tensor,
                 num_new: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
         controller = self._patched.controller
-        step = StepState(rows, positions, new_offsets, num_new, is_prefill=False, is_last_chunk=False,
+        # a decode step ends no prompt (an empty list: any() is False, whatever the batch)
+        step = StepState(rows, positions, new_offsets, num_new, is_prefill=False, ends_prompt=[],
                          row_ids=_HostFieldsUnavailable(), num_new_host=_HostFieldsUnavailable())
         with bound(controller, self._state, list(state)):
             return controller._run(self._patched.inner, step, input_ids=input_ids, inputs_embeds=None,
@@ -92,18 +96,28 @@ def _opaque_attention(model: nn.Module) -> Iterator[None]:
             module.__dict__[CONTROLLER_ATTR] = controller
 
 
-def export_prefill(model: nn.Module, max_tokens: int) -> ExportedProgram:
-    """The prefill program of a patched ``model`` (see module docstring), for chunks of 1..``max_tokens`` tokens."""
+def export_prefill(model: nn.Module, max_tokens: int, max_batch: int) -> ExportedProgram:
+    """The prefill program of a patched ``model`` (see module docstring): up to ``max_batch`` rows of 1..``max_tokens``
+    tokens (left-padded rows: the padding's positions are ignored by the controller)."""
     patched = patched_model(model)
     device = patched.controller.layout.device
-    example = min(max(3, max_tokens // 2), max_tokens)
-    ids = torch.zeros(1, example, dtype=torch.long, device=device)
-    positions = torch.arange(example, device=device)[None, :]
+    batch_size, tokens_size, keep_size = min(2, max_batch), min(7, max_tokens), min(3, max_tokens)  # distinct sizes
+    ids = torch.zeros(batch_size, tokens_size, dtype=torch.long, device=device)
+    positions = torch.arange(tokens_size, device=device)[None, :].expand(batch_size, -1).contiguous()
+    keep = torch.arange(tokens_size - keep_size, tokens_size, device=device)
     tokens = Dim("tokens", min=1, max=max(2, max_tokens))
+    batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None
+    kept = Dim("keep", min=1, max=max(2, max_tokens))
+    shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: kept})
     with _opaque_attention(model), torch.no_grad():
-        ep = torch.export.export(PrefillProgram(model, patched), (ids, positions),
-                                 dynamic_shapes=({1: tokens}, {1: tokens}), strict=False)
+        ep = torch.export.export(PrefillProgram(model, patched), (ids, positions, keep), dynamic_shapes=shapes,
+                                 strict=False)
     _check_no_state_constants(ep, "prefill")
+    attends = sum(node.target == attend for node in ep.graph.nodes)
+    layers = patched.controller.layout.num_layers
+    if attends != layers or count_attention_sites(ep.graph_module)["sdpa"]:
+        raise CaptureError(f"the prefill program holds {attends} sparsecompile::attend calls for {layers} layers "
+                           f"and {count_attention_sites(ep.graph_module)['sdpa']} raw SDPA calls")
     return ep
 
 
@@ -127,6 +141,7 @@ def export_decode(model: nn.Module, state: list[StateSlot], example_batch: int,
     if len(used) < len(state):
         ep = _export_decode(patched, model, step, used, max_batch)
     _check_no_state_constants(ep, "decode")
+    check_capture(ep.graph_module, patched.controller.layout.num_layers)  # one attention op per layer, no SDPA
     return ep, used
 
 
@@ -152,10 +167,3 @@ def _check_no_state_constants(ep: ExportedProgram, name: str) -> None:
     if frozen:
         raise ExportError(f"the {name} program captured tensors that are not inputs or weights: {frozen}; they look "
                           "like KV-core state that runtime.state_binding.decode_state does not list")
-
-
-def program_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` under its program name (``lm.<HF name>``), aliases included."""
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
-    return {WEIGHT_PREFIX + name: tensor.detach() for name, tensor in named.items()}

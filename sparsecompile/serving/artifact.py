@@ -238,11 +238,11 @@ class ArtifactModel:
               logits_to_keep: int) -> torch.Tensor:
         if input_ids is None or inputs_embeds is not None:
             raise ArtifactError("an exported artifact takes token ids (no inputs_embeds)")
-        if logits_to_keep != 1:
-            raise ArtifactError(f"an exported artifact returns the last position's logits only (logits_to_keep=1), "
-                                f"got logits_to_keep={logits_to_keep}")
+        tokens = input_ids.shape[1]
+        first = 0 if logits_to_keep == 0 else max(0, tokens - logits_to_keep)  # HF's convention: 0 keeps all
+        keep = torch.arange(first, tokens, device=input_ids.device)
         with serving(self.controller), torch.no_grad():
-            return self.prefill([input_ids.contiguous(), position_ids.contiguous()])[0]
+            return self.prefill([input_ids.contiguous(), position_ids.contiguous(), keep])[0]
 
 
 def _serving_config(manifest: dict[str, Any], overrides: dict[str, Any]) -> ServingConfig:
