@@ -21,7 +21,9 @@ is: the loader rebuilds the same SparseController from the manifest. What is exp
   and a chunk's cost is its GEMMs, so keeping the per-layer lifecycle eager costs nothing measurable, and one
   program serves every chunk shape of every method (it is method-independent, and cached across exports).
 
-Both programs take the weights as AOTInductor user-managed constants, stored once in ``weights.safetensors``.
+Both programs take the weights as AOTInductor user-managed constants, stored once in ``weights.safetensors``;
+with ``fuse_projections`` (the default) each layer's q/k/v and gate/up weights are one fused weight and one GEMM
+(``models/export_fusion.py``), as in the compiled decode step.
 On CUDA, inductor's own kernels are cubins inside the packages; sparsecompile's ops (defined with
 ``torch.library``, not ``triton_op``) are called back through AOTI's proxy executor, so the loader imports
 ``sparsecompile.kernels`` (never the HF modeling code), and CUDA graphs remove that host cost from decode.
