@@ -33,6 +33,8 @@ _EXPORTS = {
     "UnsupportedModelError": "models.support",
     "available_methods": "methods",
     "compress": "api",
+    "export": "export",
+    "load": "export",
     "kv_stats": "api",
     "optimize": "optimize",
     "patched": "optimize",
@@ -44,7 +46,8 @@ _EXPORTS = {
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
     "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
-    "available_methods", "compress", "kv_stats", "optimize", "patched", "restore", "retained_positions",
+    "available_methods", "compress", "export", "kv_stats", "load", "optimize", "patched", "restore",
+    "retained_positions",
     "warmup",
 ]
 
@@ -63,8 +66,8 @@ def __getattr__(name: str) -> Any:
 
 
 class _Package(types.ModuleType):
-    """``sparsecompile.optimize`` stays the function: importing the submodule ``sparsecompile.optimize`` makes the
-    import system bind the module to that attribute, which this property ignores."""
+    """``sparsecompile.optimize`` / ``sparsecompile.export`` stay the functions: importing the submodule of the same
+    name makes the import system bind the module to that attribute, which these properties ignore."""
 
     @property
     def optimize(self) -> Any:
@@ -72,6 +75,14 @@ class _Package(types.ModuleType):
 
     @optimize.setter
     def optimize(self, value: Any) -> None:
+        pass
+
+    @property
+    def export(self) -> Any:
+        return _load("export")
+
+    @export.setter
+    def export(self, value: Any) -> None:
         pass
 
 
@@ -85,6 +96,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers see the eager imports
     from .api import compress, kv_stats, retained_positions, warmup
     from .config import EngineConfig, MethodConfigError, ServingConfig
+    from .export import export, load
     from .llm import LLM
     from .methods import available_methods
     from .models.hf_cache import SparseCache

@@ -1,4 +1,4 @@
-"""Command line: ``sparsecompile generate | serve | bench``.
+"""Command line: ``sparsecompile generate | serve | warmup | export | bench``.
 
 Every engine, serving and method flag is derived from the config dataclasses (``sparsecompile/config.py`` and
 each method's config), with their help text and defaults, so a new option needs no CLI code. The top-level
@@ -132,6 +132,9 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                        help="HF model directory or .gguf file (same as --model)")
     _add_model(serve, methods)
+    serve.add_argument("--artifact", default=None, metavar="DIR",
+                       help="serve an artifact made by `sparsecompile export` (no model, method or engine flags: "
+                            "they are in the artifact; serving options that do not change its programs still apply)")
     server = serve.add_argument_group("server options (sparsecompile.config.ServerConfig)")
     add_arguments(server, ServerConfig, types={"allowed_hosts": str, "max_request_bytes": _parse_bytes})
     server.add_argument("--log-level", dest="uvicorn_log_level", default=None, metavar="UVICORN_LOG_LEVEL",
@@ -154,6 +157,22 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
     _add_engine(warm)
     if with_methods:
         _add_methods(warm)
+
+    export = sub.add_parser("export", help="export a model and method as a compiled artifact directory (AOTInductor "
+                                           "programs, weights, tokenizer, manifest) for `serve --artifact`")
+    _add_model(export, methods)
+    export.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
+    export.add_argument("--form", default="aoti", choices=["aoti", "exported"],
+                        help="aoti: AOTInductor packages (default); exported: torch.export programs, the fallback "
+                             "for hosts where AOTI packages do not load")
+    export.add_argument("--no-compile-cache", action="store_true",
+                        help="with --form exported: ship no compile cache (the loader then runs the programs eagerly)")
+    exported = export.add_argument_group("serving options fixed in the artifact (max_num_seqs, max_model_len, "
+                                         "cuda_graph_sizes; the KV memory is chosen at load)")
+    add_arguments(exported, ServingConfig, skip=("model_name", "kv_cache_memory", "gpu_memory_utilization"))
+    _add_engine(export)
+    if with_methods:
+        _add_methods(export)
 
     bench = sub.add_parser("bench", help="GPU benchmarks: decode against the HBM roofline (benchmarks/decode.py), "
                                          "--prefill (benchmarks/prefill.py), --user-path (generate() beside the engine "
@@ -191,6 +210,8 @@ def _serve(args: argparse.Namespace) -> int:
     server = ServerConfig(**given(args, field_names(ServerConfig)))
     load_chat_template(server.chat_template)  # a bad --chat-template fails now, not after loading the model
     model = args.model_path or args.model
+    if args.artifact:
+        return _serve_artifact(args, server, model)
     name = server.served_model_name or model or DEFAULT_MODEL_NAME
     server = replace(server, served_model_name=name)
     llm = LLM(model, args.method, device=args.device, dtype=_torch_dtype(args.dtype), model_name=name,
@@ -203,6 +224,43 @@ def _serve(args: argparse.Namespace) -> int:
         serve(engine, server)
     except KeyboardInterrupt:  # uvicorn drains and shuts down on Ctrl-C, then re-raises it
         pass
+    return 0
+
+
+def _serve_artifact(args: argparse.Namespace, server, model: str | None) -> int:
+    """``serve --artifact DIR``: the artifact's programs under the same server (options it fixes are refused)."""
+    from dataclasses import replace
+
+    from .export import load
+    from .server import serve
+
+    if model is not None:
+        raise ValueError("pass --artifact or a model, not both (the artifact holds its model)")
+    options = _options(args, EngineConfig, ServingConfig)
+    if server.served_model_name:
+        options["model_name"] = server.served_model_name
+    engine = load(args.artifact, device=args.device, **options).llm_engine
+    server = replace(server, served_model_name=engine.model_name)
+    print(f"sparsecompile: serving {engine.model_name!r} (artifact {args.artifact}, method {engine.method}, "
+          f"max_model_len {engine.max_model_len}, {engine.stats().total_pages} KV pages) on "
+          f"http://{server.host}:{server.port}/v1", file=sys.stderr)
+    try:
+        serve(engine, server)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .export import export
+
+    start = time.perf_counter()
+    out = export(args.model, args.out, args.method, device=args.device, dtype=_torch_dtype(args.dtype), form=args.form,
+                 compile_cache=not args.no_compile_cache, **_options(args, EngineConfig, ServingConfig))
+    print(f"sparsecompile: exported {args.model or 'the embedded model'} with method {args.method} to {out} "
+          f"({args.form}, {time.perf_counter() - start:.0f} s); serve it with `sparsecompile serve --artifact {out}`",
+          file=sys.stderr)
     return 0
 
 
@@ -368,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "warmup":
             return _warmup(args)
+        if args.command == "export":
+            return _export(args)
     except (ValueError, TypeError, OSError) as err:
         parser.exit(2, f"sparsecompile {args.command}: error: {err}\n")
     except KeyboardInterrupt:

@@ -121,6 +121,14 @@ class LLM:
         self.llm_engine = LLMEngine(model, tokenizer, serving)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over a ready engine (``sparsecompile.load`` builds one over an exported artifact)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def tokenizer(self):
         return self.llm_engine.tokenizer

@@ -364,6 +364,12 @@ class SparseController:
             step.new_offsets.copy_(torch.where(real, 0, -1)[:, None], non_blocking=True)
         return step
 
+    def install_decode_step(self, step_fn: Callable) -> None:
+        """Run decode steps with ``step_fn(inner, step, input_ids, positions) -> logits`` (forward and
+        ``finish_step`` in one unit, like the compiled step): an exported artifact's decode program. Batches are then
+        padded to the serving engine's CUDA-graph sizes, as with a compiled step."""
+        self._compiled_decode = step_fn
+
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
         self.decode_backend = backend

@@ -27,6 +27,7 @@ from ..models.hf_patch import patched_model
 from ..models.support import UnsupportedModelError
 from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
+from .interface import ServedModel
 from .logprobs import LogprobRecorder
 from .outputs import (
     CompletionOutput,
@@ -94,20 +95,16 @@ class _Live:
 
 class LLMEngine:
     """See module docstring. Built over a model patched by ``sparsecompile.optimize()`` (``sparsecompile.LLM``
-    does both)."""
+    does both), or over any :class:`ServedModel` (an exported artifact's programs: ``sparsecompile.load``)."""
 
-    def __init__(self, model: nn.Module, tokenizer, config: ServingConfig | None = None) -> None:
-        try:
-            patched = patched_model(model)
-        except ValueError as err:
-            raise UnsupportedModelError(f"the serving engine needs a model patched by sparsecompile.optimize(): "
-                                        f"{err}") from None
+    def __init__(self, model: nn.Module | ServedModel, tokenizer, config: ServingConfig | None = None) -> None:
+        patched = PatchedServedModel(model) if isinstance(model, nn.Module) else model
         config = config or ServingConfig()
         self.config = config
         self.model, self.tokenizer, self.patched = model, tokenizer, patched
         self.controller = c = patched.controller
         self.method = c.runtime.name
-        self.model_name = config.model_name or getattr(model.config, "_name_or_path", None) or "sparsecompile"
+        self.model_name = config.model_name or patched.name or "sparsecompile"
         limit = patched.max_length or 4096
         self.max_model_len = min(config.max_model_len or limit, limit)
         max_num_seqs = config.max_num_seqs
@@ -127,8 +124,8 @@ class LLMEngine:
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
             allow_recompiles(2 * len(self.graph_sizes) + 8)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.eos_token_ids = patched.eos_token_ids | _eos_ids(None, tokenizer)
+        self.vocab_size = patched.vocab_size
         self._groups: dict[str, _Group] = {}  # by request id
         self._live: dict[Request, _Live] = {}  # by scheduled sequence
         self._logprobs = LogprobRecorder(tokenizer)
@@ -429,6 +426,23 @@ def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[Prefil
     return groups
 
 
+class PatchedServedModel:
+    """The :class:`ServedModel` of an HF model patched by ``sparsecompile.optimize()``: its patched forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        try:
+            patched = patched_model(model)
+        except ValueError as err:
+            raise UnsupportedModelError(f"the serving engine needs a model patched by sparsecompile.optimize(): "
+                                        f"{err}") from None
+        self.controller = patched.controller
+        self.max_length = patched.max_length
+        self.inner = patched.inner
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.name = getattr(model.config, "_name_or_path", None) or None
+        self.eos_token_ids = _eos_ids(model, None)
+
+
 def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
     """Bytes the KV pool may take: ``kv_cache_memory`` (bytes, or a fraction of the free GPU memory), or
     ``gpu_memory_utilization`` (vLLM's meaning: the process's share of the GPU's total memory, weights and
@@ -453,7 +467,7 @@ def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
     return int(mem)
 
 
-def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
+def _eos_ids(model: nn.Module | None, tokenizer) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
         value = getattr(source, "eos_token_id", None)
