@@ -61,6 +61,10 @@ class EngineConfig:
     show_progress: bool = option(False, "a progress bar over prefill chunks")
     fuse_projections: bool = option(True, "compiled decode runs each layer's q/k/v and gate/up projections as one "
                                           "GEMM per group")
+    tp_size: int = option(1, "tensor-parallel ranks the model is split over (heads, KV heads, MLP columns); > 1 runs "
+                             "inside a torchrun job of that many processes")
+    tp_timeout: float = option(600.0, "seconds a tensor-parallel collective waits for the other ranks before the "
+                                      "job stops")
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1 \
@@ -74,6 +78,10 @@ class EngineConfig:
             if getattr(self, name) not in (True, False, "auto"):
                 raise MethodConfigError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         _positive_int("num_pages", self.num_pages, allow_none=True)
+        _positive_int("tp_size", self.tp_size)
+        t = self.tp_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise MethodConfigError(f"tp_timeout must be a positive number of seconds, got {t!r}")
 
 
 # ---------------------------------------------------------------------------------------------------- serving
@@ -92,11 +100,14 @@ class ServingConfig:
     cuda_graph_sizes: list[int] | None = option(None, "decode batch sizes compiled and graph-captured (default: "
                                                       "powers of two up to max_num_seqs)")
     model_name: str | None = option(None, "the model id clients send (default: the model path)")
+    tensor_parallel_size: int = option(1, "GPUs (ranks) one model is split over; the engine starts the other ranks' "
+                                          "worker processes itself (or joins a torchrun job of that size)")
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise MethodConfigError("pass kv_cache_memory or gpu_memory_utilization, not both")
         mem = self.kv_cache_memory

@@ -32,30 +32,59 @@ class LLM:
         device, dtype: where and how to load a path (default: CUDA + bf16 when available, else CPU + fp32).
         **options: serving options (:class:`sparsecompile.config.ServingConfig`: ``max_num_seqs``,
             ``max_num_batched_tokens``, ``kv_cache_memory``, ``gpu_memory_utilization``, ``max_model_len``,
-            ``cuda_graph_sizes``, ``model_name``), engine options (:class:`sparsecompile.config.EngineConfig`, as
-            ``optimize()`` takes them) and the method's options. An option none of them declares is refused,
-            naming which kind it was taken for.
+            ``cuda_graph_sizes``, ``model_name``, ``tensor_parallel_size``: see ``sparsecompile/parallel.py``),
+            engine options (:class:`sparsecompile.config.EngineConfig`, as ``optimize()`` takes them) and the
+            method's options. An option none of them declares is refused, naming which kind it was taken for.
     """
 
     def __init__(self, model_or_path: nn.Module | str | os.PathLike | None = None, method: str = "vanilla", *,
                  tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
         routed = split_method_options(method, options, accepted=OPTION_KINDS)  # refuse bad options before loading
         serving = ServingConfig(**routed["serving"])
+        self._ids = itertools.count()
+        self._tensor_parallel = None
+        tp = max(serving.tensor_parallel_size, routed["engine"].get("tp_size", 1))
         if isinstance(model_or_path, nn.Module):
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a model object")
             model = model_or_path
-        else:
-            from .models.default_model import load_model, resolve_model_path
+        elif tp == 1:
+            from .models.default_model import load_model
 
             model, loaded_tokenizer = load_model(model_or_path, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
-            if serving.model_name is None:
-                serving.model_name = (str(model_or_path) if model_or_path is not None
-                                      else resolve_model_path(None).name)
-        optimize(model, method=method, **routed["engine"], **routed["method"])
+        if serving.model_name is None and not isinstance(model_or_path, nn.Module):
+            from .models.default_model import resolve_model_path
+
+            serving.model_name = str(model_or_path) if model_or_path is not None else resolve_model_path(None).name
+        if tp > 1:  # every rank builds its shard; rank 0 drives the others (sparsecompile/parallel.py)
+            from .parallel import launch
+
+            self._tensor_parallel = run = launch(model_or_path, method, {**routed["engine"], **routed["method"]}, tp,
+                                                 dtype=dtype, device=device)
+            if not run.is_driver:  # a worker rank of a torchrun job: it served rank 0 until rank 0 closed
+                self.llm_engine = None
+                return
+            model, tokenizer = run.model, tokenizer or run.tokenizer
+        else:
+            optimize(model, method=method, **routed["engine"], **routed["method"])
         self.llm_engine = LLMEngine(model, tokenizer, serving)
-        self._ids = itertools.count()
+
+    @property
+    def is_driver(self) -> bool:
+        """False on a worker rank of a tensor-parallel torchrun job (its constructor served rank 0's steps)."""
+        return self.llm_engine is not None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (rank 0); a no-op without tensor parallelism."""
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -69,6 +98,8 @@ class LLM:
         ``sampling_params``: one for all prompts or one per prompt (default ``SamplingParams()``).
         Every request is validated before any runs; a rejected one raises ``RequestRejected``.
         """
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM is a tensor-parallel worker rank (rank 0 drives the engine)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -13,9 +13,12 @@ from .models.attention import ATTN_IMPLEMENTATION, register_attention
 from .models.colocate import colocate_projections, separate_projections
 from .models.hf_patch import install, install_sdpa_fallback, patch_of, uninstall
 from .models.support import UnsupportedModelError, attention_modules, inspect_model, model_dtype_device, text_config
+from .models.tensor_parallel import plan_tensor_parallel
 from .passes import CaptureError, capture_backend
+from .runtime import distributed
 from .runtime.compilation import decode_compiled, decode_cuda_graphs, wanted
 from .runtime.controller import SparseController
+from .runtime.distributed import DistributedController
 
 
 def split_method_options(method: str, options: dict[str, Any],
@@ -36,7 +39,9 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
             whole prompt), ``compile`` ("auto": decode steps compiled on CUDA), ``cuda_graphs`` ("auto"),
             ``num_pages`` (None: sized on demand), ``show_progress`` (False), ``fuse_projections`` (True: with
             compiled decode, q/k/v and gate/up weights share one buffer per layer, so each group is one GEMM;
-            ``restore()`` separates them).
+            ``restore()`` separates them), ``tp_size`` (1: inside a ``torchrun`` job of N processes, N splits the
+            model's heads, KV heads, MLP and vocabulary over the N ranks; see ``models/tensor_parallel.py``) and
+            ``tp_timeout`` (600 s).
 
     Raises:
         MethodConfigError: unknown method, unknown or out-of-range option (the message says which kind of option
@@ -48,7 +53,16 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     if patch_of(model) is not None:
         restore(model)
     info = inspect_model(model)
+    shard = None
+    if config.tp_size > 1:  # join the group and check the split before anything changes (tensor_parallel.py)
+        if not _can_set_attention(model):
+            raise UnsupportedModelError(f"{info.model_type} ignores set_attn_implementation; tensor parallelism needs "
+                                        "sparsecompile's attention")
+        shard = plan_tensor_parallel(model, info, config.tp_size, config.tp_timeout)
+        info = shard.info  # this rank's heads
     runtime = build_runtime(method, routed["method"], info)
+    if shard is not None:
+        shard.apply(model)
     dtype, device = model_dtype_device(model)
     controller = SparseController(runtime, info.num_layers, info.num_kv_heads, info.head_dim, dtype, device, config)
     if not _can_set_attention(model):
@@ -69,6 +83,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     modules = [m for _, m in attention_modules(model)]
     patched = install(model, controller, modules, info.max_position_embeddings)
     patched.previous_attn = previous
+    if shard is not None:  # every controller call guarded: a rank's failure stops all ranks
+        patched.controller = DistributedController(controller, distributed.current())
     try:
         _check_capture(model, controller, info.num_layers)
     except BaseException:
