@@ -150,6 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
     llm = LLM(model, args.method, device=args.device, dtype=_torch_dtype(args.dtype), model_name=name,
               **_options(args, EngineConfig, ServingConfig))
+    if not llm.is_driver:  # a tensor-parallel worker rank under torchrun: it served rank 0 until rank 0 stopped
+        return 0
     engine = llm.llm_engine
     print(f"sparsecompile: serving {name!r} (method {args.method}, max_model_len {engine.max_model_len}, "
           f"{engine.stats().total_pages} KV pages) on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -157,6 +159,8 @@ def _serve(args: argparse.Namespace) -> int:
         serve(engine, host=args.host, port=args.port, served_model_name=name, log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then re-raises it
         pass
+    finally:
+        llm.close()  # tensor-parallel workers stop with the server
     return 0
 
 

@@ -128,7 +128,6 @@ def _build(replica: Replica, workers: Any, size: int) -> TensorParallelRun:
         session.peer_checks.append(lambda: _dead_worker(workers))
         session.on_failure.append(lambda: _stop(workers))
         weakref.finalize(run, _release, workers, session)  # an LLM dropped without close()
-        atexit.register(_close_at_exit, weakref.ref(run))
         _SPAWNED = weakref.ref(run)
     try:
         model, tokenizer = session.guarded(replica.build)
@@ -139,6 +138,7 @@ def _build(replica: Replica, workers: Any, size: int) -> TensorParallelRun:
     if session.group.rank == 0:
         run.model, run.tokenizer = model, tokenizer
         run.driver = Driver(patched_model(model), session)
+        atexit.register(_close_at_exit, weakref.ref(run))  # the workers stop when this process ends
     else:
         run.model = model
     return run
