@@ -90,7 +90,11 @@ class TensorParallelRun:
 
 def launch(source: Any, method: str, options: dict, size: int, *, dtype: torch.dtype | None = None,
            device: str | None = None) -> TensorParallelRun:
-    """Start or join the ``size`` ranks of one LLM (see module docstring); ``options``: engine + method options."""
+    """Start or join the ``size`` ranks of one LLM (see module docstring); ``options``: engine + method options.
+
+    Spawned ranks run on GPUs (NCCL) when ``device`` is CUDA, or when it is None and the model object is on a GPU
+    (a path: when CUDA is available); on the CPU (gloo) otherwise. Under torchrun: GPUs whenever CUDA is available.
+    """
     options = {**options, "tp_size": size}
     timeout = float(options.get("tp_timeout", 600.0))
     import torch.distributed as dist
@@ -105,10 +109,12 @@ def launch(source: Any, method: str, options: dict, size: int, *, dtype: torch.d
             return run
         serve_calls(patched_model(run.model), run.session)  # until rank 0 closes its LLM
         return TensorParallelRun(run.session)
-    if isinstance(source, nn.Module):
+    if device is not None:  # where the ranks run (a CPU model object is split, then each shard moves to its GPU)
+        cuda = str(device).startswith("cuda")
+    elif isinstance(source, nn.Module):
         cuda = next(source.parameters()).device.type == "cuda"
     else:
-        cuda = device.startswith("cuda") if device else torch.cuda.is_available()
+        cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
                          f"{torch.cuda.device_count()}")

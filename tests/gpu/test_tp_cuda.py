@@ -19,6 +19,8 @@ import torch.distributed as dist
 from tp_cases import (
     CASES,
     ENGINE,
+    SERVING,
+    Tokenizer,
     as_torchrun_rank,
     generate_prompts,
     generate_tokens,
@@ -93,7 +95,11 @@ def test_llm_under_tp2_equals_one_gpu(runs, method):
 
 
 def test_llm_spawns_its_gpu_worker(runs):
-    llm = make_llm("snapkv", 2, device="cuda", cuda_graph_sizes=[4], **COMPILED)
+    from sparsecompile import LLM
+
+    # a CPU model object with device="cuda": split, then rank r's shard moves to cuda:r
+    llm = LLM(tiny(), "snapkv", tokenizer=Tokenizer(), device="cuda", tensor_parallel_size=2, cuda_graph_sizes=[4],
+              **SERVING, **ENGINE, **COMPILED, **CASES["snapkv"])
     try:
         assert llm_tokens(llm) == runs["reference"]["llm"]["snapkv"]
     finally:
