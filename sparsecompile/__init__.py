@@ -30,6 +30,7 @@ _EXPORTS = {
     "SamplingParams": "serving.outputs",
     "ServingConfig": "config",
     "SparseCache": "models.hf_cache",
+    "TensorParallelError": "runtime.distributed",
     "UnsupportedModelError": "models.support",
     "available_methods": "methods",
     "kv_stats": "api",
@@ -40,7 +41,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
-    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
+    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "TensorParallelError", "UnsupportedModelError",
     "available_methods", "kv_stats", "optimize", "restore", "retained_positions",
 ]
 
@@ -87,4 +88,5 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from .models.support import UnsupportedModelError
     from .optimize import optimize, restore
     from .passes import CaptureError
+    from .runtime.distributed import TensorParallelError
     from .serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams

@@ -180,7 +180,7 @@ def _spawn(replica: Replica, size: int, timeout: float, backend: str) -> Any:
             raise TensorParallelError(f"tensor-parallel workers {sorted(waiting)} did not start within {timeout} s")
         time.sleep(0.05)
     distributed.init_process_group(store, 0, size, backend, timeout)
-    distributed.start_session(size, owns_process_group=True)
+    distributed.start_session(size, owns_process_group=True, timeout=timeout)
     return workers
 
 
@@ -192,7 +192,7 @@ def _worker(index: int, size: int, host: str, port: int, replica: Replica, timeo
     store = dist.TCPStore(host, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     store.set(_READY_KEY.format(rank), "1")
     distributed.init_process_group(store, rank, size, backend, timeout)
-    session = distributed.start_session(size, owns_process_group=True)
+    session = distributed.start_session(size, owns_process_group=True, timeout=timeout)
     model, _ = session.guarded(replica.build)
     serve_calls(patched_model(model), session)
     distributed.shutdown()

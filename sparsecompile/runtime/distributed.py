@@ -21,8 +21,8 @@ Failure (a rank raising inside a controller call; see :class:`DistributedControl
   pending collectives then fail at once on gloo) and re-raises its own error;
 * a rank whose call fails because a peer failed raises :class:`TensorParallelError` with the peer's reason;
 * a rank stuck in a collective (NCCL, CUDA-graph replays) is freed by :class:`Watchdog`, which polls the
-  store: it aborts the process group and, if the rank is still stuck after a grace period, ends the process
-  with the reason rather than hang. Collectives also carry the ``tp_timeout`` of ``EngineConfig``.
+  store: it aborts the process group and, if the rank is still stuck ``tp_timeout`` seconds later, ends the
+  process with the reason rather than hang. Eager collectives also time out after ``tp_timeout``.
 """
 
 from __future__ import annotations
@@ -104,9 +104,11 @@ class FailureBoard:
 
 
 class Watchdog(threading.Thread):
-    """Polls the board while this rank lives; frees the rank if it is stuck in a step after a peer failed."""
+    """Polls the board while this rank lives. When a peer failed while this rank is inside a step, it aborts the
+    process group (NCCL: collectives in flight, graph-replayed ones included, return with an error); a rank still
+    stuck ``grace`` seconds later (the ``tp_timeout``) ends its process with the reason rather than hang."""
 
-    def __init__(self, session: Session, poll: float = 0.5, grace: float = 10.0) -> None:
+    def __init__(self, session: Session, grace: float, poll: float = 0.5) -> None:
         super().__init__(name="sparsecompile-tp-watchdog", daemon=True)
         self.session, self.poll, self.grace = session, poll, grace
         self.stopped = threading.Event()
@@ -125,9 +127,9 @@ class Watchdog(threading.Thread):
             if noticed is None:
                 noticed = time.monotonic()
                 _abort_process_groups()  # NCCL: in-flight collectives return with an error
-            elif time.monotonic() - noticed > self.grace:
-                print(f"sparsecompile: tensor-parallel rank {s.group.rank} is stuck in a collective after a peer "
-                      f"failed; stopping the process. {s.failed}", file=sys.stderr, flush=True)
+            elif time.monotonic() - noticed > self.grace:  # the tp_timeout, for collectives replayed in graphs
+                print(f"sparsecompile: tensor-parallel rank {s.group.rank} is still stuck {self.grace:.0f} s after "
+                      f"a peer failed; stopping the process. {s.failed}", file=sys.stderr, flush=True)
                 os._exit(1)
 
 
@@ -254,7 +256,7 @@ def join(size: int, timeout: float) -> TPGroup:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
         owns = True
-    return start_session(size, owns).group
+    return start_session(size, owns, timeout).group
 
 
 def init_process_group(store: Any, rank: int, size: int, backend: str, timeout: float,
@@ -268,7 +270,7 @@ def init_process_group(store: Any, rank: int, size: int, backend: str, timeout: 
                             timeout=datetime.timedelta(seconds=timeout))
 
 
-def start_session(size: int, owns_process_group: bool) -> Session:
+def start_session(size: int, owns_process_group: bool, timeout: float) -> Session:
     """Create this process's :class:`Session` over the initialized default process group."""
     global _SESSION
     import torch.distributed as dist
@@ -284,7 +286,7 @@ def start_session(size: int, owns_process_group: bool) -> Session:
     group = TPGroup(rank, world, dist.group.WORLD.group_name)
     session = Session(group, backend, control, FailureBoard(dist.distributed_c10d._get_default_store(), rank, world),
                       owns_process_group)
-    session.watchdog = Watchdog(session)
+    session.watchdog = Watchdog(session, grace=timeout)
     session.watchdog.start()
     _SESSION = session
     return session

@@ -9,7 +9,8 @@ calls to its own controller in the same order, so its allocator, page tables and
 same transitions; the forwards meet in the model's all-reduces. Workers never sample: the logits are the same
 on every rank, and rank 0 sends the sampled tokens with the next step's call.
 
-Messages are ``(method name, args, kwargs)``; tensors travel as CPU tensors and land on the worker's device,
+Messages are lists of calls ``(method name, args, kwargs)``: host-only calls (:data:`DEFERRED`) wait for the next
+call that runs a forward and travel with it. Tensors travel as CPU tensors and land on the worker's device,
 and the patched model's ``inner`` forward (the one callable argument) is replaced by the worker's own.
 """
 
@@ -23,6 +24,9 @@ from ..models.hf_patch import PatchedModel
 from ..runtime.distributed import DistributedController, Session, TensorParallelError
 
 STOP = "__stop__"
+#: Host-only calls (no forward, so no collective) that travel with the next message instead of one of their own:
+#: the engine releases rows every step.
+DEFERRED = frozenset({"release_rows", "add_sequences"})
 _INNER = "__inner__"
 _TENSOR = "__tensor__"
 
@@ -63,13 +67,19 @@ class Driver:
         local = controller.local if isinstance(controller, DistributedController) else controller
         patched.controller = DistributedController(local, session, send=self._send)
         self.closed = False
+        self._pending: list[tuple] = []
 
     def _send(self, name: str, args: tuple, kwargs: dict) -> None:
+        inner = self.patched.inner
+        self._pending.append((name, _pack(args, inner), _pack(kwargs, inner)))
+        if name not in DEFERRED:
+            self._flush()
+
+    def _flush(self, *extra: Any) -> None:
         import torch.distributed as dist
 
-        inner = self.patched.inner
-        dist.broadcast_object_list([(name, _pack(args, inner), _pack(kwargs, inner))], src=0,
-                                   group=self.session.control)
+        calls, self._pending = [*self._pending, *extra], []
+        dist.broadcast_object_list([calls], src=0, group=self.session.control)
 
     def close(self) -> None:
         """Tell the workers to stop (they return from :func:`serve_calls`); nothing once the group failed."""
@@ -77,10 +87,8 @@ class Driver:
             return
         self.closed = True
         if self.session.failed is None:
-            import torch.distributed as dist
-
             try:
-                dist.broadcast_object_list([STOP], src=0, group=self.session.control)
+                self._flush(STOP)
             except Exception:  # a worker is already gone: its failure (if any) was reported with the step
                 pass
 
@@ -100,8 +108,9 @@ def serve_calls(patched: PatchedModel, session: Session) -> None:
             session.failed = session.failed or reason
             session.leave()
             raise TensorParallelError(f"the tensor-parallel group stopped: {reason}") from err
-        if box[0] == STOP:
-            return
-        name, args, kwargs = box[0]
-        inner = patched.inner
-        getattr(controller, name)(*_unpack(args, inner, device), **_unpack(kwargs, inner, device))
+        for call in box[0]:
+            if call == STOP:
+                return
+            name, args, kwargs = call
+            inner = patched.inner
+            getattr(controller, name)(*_unpack(args, inner, device), **_unpack(kwargs, inner, device))
