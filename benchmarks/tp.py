@@ -6,7 +6,8 @@
 Parts (``--parts``, default all, run in this order; each in try/except, the table prints whatever finished):
 
 equality   every method: greedy ``generate()`` of ``--new`` tokens for 2 prompts of ``--prompt`` tokens (above the
-           2,048 budgets, so every method selects or evicts), compiled decode replayed as CUDA graphs. TP 1 saves
+           2,048 budgets, so every method selects or evicts); eager decode (``--eq-compile``: compiled decode
+           replayed as CUDA graphs, one compile per method; tests/gpu/test_tp_cuda.py covers it). TP 1 saves
            its tokens and each step's top-64 logits and largest |logit| to ``DIR/tp_reference.pt`` (< 1 MB; carry
            it, with ``tp1.jsonl``, to the TP N run). TP N feeds TP 1's tokens back (teacher forcing:
            the same decisions are asked of it) and compares logits: the stated bf16 tolerance is
@@ -161,17 +162,20 @@ def part_equality(bench: Bench, model) -> None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: run the TP 1 invocation (torchrun --nproc-per-node 1) first")
         reference = torch.load(path)
-    saved = {}
+    saved = torch.load(path) if args.append and bench.world == 1 and os.path.exists(path) else {}
+    compiled = dict(compile=True, cuda_graphs=True) if args.eq_compile else dict(compile=False)
     for method in args.methods:
-        row = {"part": "equality", "method": method, "prompt": args.prompt, "new_tokens": args.new}
+        row = {"part": "equality", "method": method, "prompt": args.prompt, "new_tokens": args.new, **compiled}
         start = time.perf_counter()
         try:
-            sparsecompile.optimize(model, method, compile=True, cuda_graphs=True, **decode.METHOD_OPTIONS[method])
+            sparsecompile.optimize(model, method, **compiled, **decode.METHOD_OPTIONS[method])
             try:
                 tokens, logits = greedy(model, ids, args.new)
                 if reference is None:
                     saved[method] = {"tokens": tokens, **summary(logits)}
                     row["tokens"] = tokens[:, :8].tolist()
+                    if bench.rank == 0:
+                        torch.save(saved, path)  # after every method: a later timeout keeps what finished
                 else:
                     want = reference[method]
                     teacher = forced(model, ids, want["tokens"].cuda())
@@ -185,8 +189,6 @@ def part_equality(bench: Bench, model) -> None:
         bench.emit(row)
         if not bench.group_alive():
             raise RuntimeError("the tensor-parallel group stopped")
-    if reference is None and bench.rank == 0:
-        torch.save(saved, path)
 
 
 # ---------------------------------------------------------------------------------------------------- capacity
@@ -347,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--prompt", type=int, default=6144, help="prompt tokens of the equality part")
     parser.add_argument("--new", type=int, default=32, help="greedy tokens of the equality part")
+    parser.add_argument("--eq-compile", action="store_true",
+                        help="equality part with compiled, CUDA-graph decode (one compile per method: minutes; "
+                             "tests/gpu/test_tp_cuda.py checks that path on every method at a small size)")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--headroom-mib", type=int, default=1024,

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Tensor-parallel runs on one host (issue #18), one stage per device call (each call is limited to 10 minutes).
-# TP 1 stages run on GPU 0; TP 2 stages need 2 GPUs. The TP 2 stages read the TP 1 stages' tp1.jsonl and
-# tp_reference.pt (< 1 MB) from $RESULTS: when the device keeps no folder between calls, bring them back into
-# the working tree ($RESULTS, default benchmarks/results/tp) before the TP 2 calls. With $DEST set, each stage
-# also copies $RESULTS to $DEST.
+# TP 1 runs on GPU 0; TP 2 needs 2 GPUs. The TP 2 run reads the TP 1 run's tp1.jsonl and tp_reference.pt
+# (< 1 MB) from $RESULTS: when the device keeps no folder between calls, bring them back into the working tree
+# ($RESULTS, default benchmarks/results/tp) before the TP 2 call. With $DEST set, each stage also copies
+# $RESULTS to $DEST. Extra arguments go to benchmarks/tp.py (e.g. to split a stage that runs out of time:
+# `tp2 --parts equality,decode,prefill` then `tp2 --parts capacity --append`).
 #
-#   bash benchmarks/tp_session.sh tests          # tests/gpu/test_tp_cuda.py (2 GPUs)            ~3-5 min
-#   bash benchmarks/tp_session.sh tp1-equality   # every method's greedy reference, TP 1          ~5-6 min
-#   bash benchmarks/tp_session.sh tp1-perf       # 128K x 4 decode, 128K prefill, largest batches ~6-8 min
-#   bash benchmarks/tp_session.sh tp2-equality   # every method against TP 1 (2 GPUs)             ~5-6 min
-#   bash benchmarks/tp_session.sh tp2-perf       # the same points at TP 2, then the targets table ~5-7 min
+#   bash benchmarks/tp_session.sh tests    # tests/gpu/test_tp_cuda.py (2 GPUs)                              ~3-5 min
+#   bash benchmarks/tp_session.sh tp1      # equality reference, 128K x 4 decode, 128K prefill, largest batches ~7-9 min
+#   bash benchmarks/tp_session.sh tp2      # the same at TP 2 (2 GPUs), compared with TP 1; the targets table ~6-8 min
+#   bash benchmarks/tp_session.sh quick    # both sizes at 4 layers / 32K in $RESULTS/quick (a smoke run)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
@@ -23,7 +23,7 @@ tp() {  # tp <ranks> <log> <tp.py arguments...>
   local ranks=$1 log=$2
   shift 2
   timeout 580 torchrun --standalone --nproc-per-node "$ranks" benchmarks/tp.py --out "$RESULTS" "$@" \
-    >"$RESULTS/$log" 2>&1
+    >>"$RESULTS/$log" 2>&1
   echo "rc=$?" >>"$RESULTS/$log"
 }
 case "${1:?stage}" in
@@ -31,10 +31,8 @@ case "${1:?stage}" in
     timeout 580 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_cuda.py >"$RESULTS/gpu_tp_tests.log" 2>&1
     echo "rc=$?" >>"$RESULTS/gpu_tp_tests.log"
     ;;
-  tp1-equality) tp 1 tp1_equality.log --parts equality ;;
-  tp1-perf) tp 1 tp1_perf.log --parts decode,prefill,capacity --append ;;
-  tp2-equality) tp 2 tp2_equality.log --parts equality ;;
-  tp2-perf) tp 2 tp2_perf.log --parts decode,prefill,capacity --append ;;
+  tp1) shift; tp 1 tp1.log "$@" ;;
+  tp2) shift; tp 2 tp2.log "$@" ;;
   quick)  # a smoke run of both sizes (4 layers, 32K) in $RESULTS/quick: minutes, not the targets
     RESULTS="$RESULTS/quick" && mkdir -p "$RESULTS" && tp 1 quick1.log --quick && tp 2 quick2.log --quick ;;
 esac
