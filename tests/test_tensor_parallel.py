@@ -111,3 +111,62 @@ def test_llm_spawns_its_worker_and_a_driver_failure_stops_it(runs, monkeypatch):
         llm_tokens(llm)
     llm.close()
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------------- one process
+class _Controller:
+    layout = "the layout"
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def reserve(self, batch: int, length: int) -> str:
+        self.calls.append(("reserve", batch, length))
+        return "reserved"
+
+    def attend(self) -> str:
+        return "attended"
+
+    def release_rows(self, rows: list[int]) -> None:
+        self.calls.append(("release_rows", rows))
+
+    def decode(self) -> None:
+        raise ValueError("boom")
+
+
+def test_every_public_controller_call_is_sent_then_guarded():
+    from sparsecompile.runtime.distributed import (
+        DistributedController,
+        FailureBoard,
+        Session,
+        TensorParallelError,
+        TPGroup,
+    )
+
+    store = dist.HashStore()
+    session = Session(TPGroup(0, 2, "unused"), "gloo", None, FailureBoard(store, 0, 2), owns_process_group=False)
+    stopped, sent = [], []
+    session.on_failure.append(lambda: stopped.append(True))
+    local = _Controller()
+    proxy = DistributedController(local, session, send=lambda name, args, kwargs: sent.append((name, args)))
+    assert proxy.reserve(2, 9) == "reserved" and proxy.layout == "the layout" and proxy.attend() == "attended"
+    assert sent == [("reserve", (2, 9))] and local.calls == [("reserve", 2, 9)]
+    with pytest.raises(ValueError, match="boom"):  # this rank's own error, after telling the others
+        proxy.decode()
+    assert stopped == [True] and FailureBoard(store, 1, 2).peer_failure() == "rank 0: ValueError: boom"
+    proxy.release_rows([3])  # cleanup still frees this rank's pages, without sending
+    assert local.calls[-1] == ("release_rows", [3]) and sent[-1][0] == "decode"
+    with pytest.raises(TensorParallelError, match="rank 0: ValueError: boom"):
+        proxy.reserve(1, 1)
+
+
+def test_refusals_that_need_no_process_group():
+    from tiny_models import tiny_pair
+
+    import sparsecompile
+
+    _, phi3 = tiny_pair("phi3")
+    with pytest.raises(sparsecompile.UnsupportedModelError, match="plan entries .*qkv_proj.*not supported"):
+        sparsecompile.optimize(phi3, "vanilla", tp_size=2)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        sparsecompile.optimize(tiny(), "vanilla", tp_size=2)

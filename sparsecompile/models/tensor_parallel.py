@@ -104,6 +104,7 @@ def plan_tensor_parallel(model: nn.Module, info: ModelInfo, size: int, timeout: 
             f"{name}: {info.num_kv_heads} KV heads and {info.num_q_heads} query heads cannot be split evenly over "
             f"{size} tensor-parallel ranks; use a tp_size that divides {info.num_kv_heads} (sparsecompile does not "
             "replicate KV heads across ranks)")
+    styles = _plan_of(model, name)
     group = distributed.join(size, timeout)
     local = dataclasses.replace(info, num_q_heads=info.num_q_heads // size, num_kv_heads=info.num_kv_heads // size,
                                 tp=group)
@@ -115,7 +116,6 @@ def plan_tensor_parallel(model: nn.Module, info: ModelInfo, size: int, timeout: 
                                         f"this is rank {group.rank} of {size}: load it again")
         return ShardPlan(group, local, device, done=True)
     plan = ShardPlan(group, local, device)
-    styles = _plan_of(model, name)
     for module_name, module in model.named_modules():
         style = next((s for pattern, s in styles if pattern.search(module_name)), None)
         if style is None or style in _REPLICATED:

@@ -82,8 +82,9 @@ class FailureBoard:
     """Failure reasons in the rendezvous store, one key per rank, so a rank that sees a collective fail can name
     the rank that caused it."""
 
-    def __init__(self, store: Any, rank: int, size: int) -> None:
+    def __init__(self, store: Any, rank: int, size: int, patience: int = 3) -> None:
         self.store, self.rank, self.size = store, rank, size
+        self.patience, self._misses = patience, 0  # consecutive unreachable checks before the store counts as lost
 
     def publish(self, reason: str) -> None:
         try:
@@ -92,14 +93,19 @@ class FailureBoard:
             pass
 
     def peer_failure(self) -> str | None:
-        """The first other rank's published reason, or a reason when the store itself is unreachable."""
+        """The first other rank's published reason, or a reason once the store has been unreachable ``patience``
+        times in a row (its host is gone)."""
         try:
             for r in range(self.size):
                 key = _FAILURE_KEY.format(r)
                 if r != self.rank and self.store.check([key]):
                     return self.store.get(key).decode()
         except Exception as err:
-            return f"lost contact with the rendezvous store ({type(err).__name__}: {err})"
+            self._misses += 1
+            if self._misses >= self.patience:
+                return f"lost contact with the rendezvous store ({type(err).__name__}: {err})"
+            return None
+        self._misses = 0
         return None
 
 
@@ -175,7 +181,8 @@ class Session:
 
     def guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one replicated step of work; on failure stop the group (see the module docstring)."""
-        if self.failed:
+        if self.failed:  # a peer failed while this rank was idle (the watchdog noticed): stop here too
+            self.stop()
             raise TensorParallelError(f"the tensor-parallel group stopped: {self.failed}")
         self.busy_since = time.monotonic()
         try:
@@ -184,7 +191,7 @@ class Session:
             peer = self.board.peer_failure() or self.check_peers()
             if peer is not None or isinstance(err, TensorParallelError):
                 self.failed = self.failed or peer or str(err)
-                self.leave()
+                self.stop()
                 if isinstance(err, TensorParallelError):
                     raise
                 raise TensorParallelError(f"the tensor-parallel group stopped: {self.failed}") from err
@@ -194,11 +201,16 @@ class Session:
             self.busy_since = None
 
     def fail(self, reason: str) -> None:
-        """This rank failed: publish the reason, run the failure hooks, leave the group."""
+        """This rank failed: publish the reason, then :meth:`stop`."""
         if self.failed is None:
             self.failed = reason
             self.board.publish(reason)
-        for hook in self.on_failure:
+        self.stop()
+
+    def stop(self) -> None:
+        """Run the failure hooks once (the serving driver stops its workers) and leave the group."""
+        hooks, self.on_failure = self.on_failure, []
+        for hook in hooks:
             try:
                 hook()
             except Exception:
@@ -212,13 +224,14 @@ class Session:
 
         if self.watchdog is not None:
             self.watchdog.stopped.set()
+        if _SESSION is not self:  # already left (a later session may own the process group now)
+            return
+        _SESSION = None
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
             pass
-        if _SESSION is self:
-            _SESSION = None
 
 
 _SESSION: Session | None = None
