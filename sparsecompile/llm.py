@@ -68,7 +68,11 @@ class LLM:
             model, tokenizer = run.model, tokenizer or run.tokenizer
         else:
             optimize(model, method=method, **routed["engine"], **routed["method"])
-        self.llm_engine = LLMEngine(model, tokenizer, serving)
+        try:
+            self.llm_engine = LLMEngine(model, tokenizer, serving)
+        except BaseException:
+            self.close()  # tensor-parallel workers stop with it
+            raise
 
     @property
     def is_driver(self) -> bool:
