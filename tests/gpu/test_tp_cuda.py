@@ -74,7 +74,7 @@ def _one_gpu() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("tp_cuda") / "rank")
-    reference, ranks = run_ranks(_rank, 2, out, timeout=600, while_running=_one_gpu)
+    reference, ranks = run_ranks(_rank, 2, out, timeout=420, while_running=_one_gpu)
     return {"ranks": ranks, "reference": reference}
 
 
