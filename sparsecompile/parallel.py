@@ -179,8 +179,12 @@ def _spawn(replica: Replica, size: int, timeout: float, backend: str) -> Any:
             _stop(workers)
             raise TensorParallelError(f"tensor-parallel workers {sorted(waiting)} did not start within {timeout} s")
         time.sleep(0.05)
-    distributed.init_process_group(store, 0, size, backend, timeout)
-    distributed.start_session(size, owns_process_group=True, timeout=timeout)
+    try:
+        distributed.init_process_group(store, 0, size, backend, timeout)
+        distributed.start_session(size, owns_process_group=True, timeout=timeout)
+    except BaseException:
+        _stop(workers)
+        raise
     return workers
 
 
