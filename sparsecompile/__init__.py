@@ -30,6 +30,7 @@ _EXPORTS = {
     "SamplingParams": "serving.outputs",
     "ServingConfig": "config",
     "SparseCache": "models.hf_cache",
+    "TensorParallelError": "runtime.distributed",
     "UnsupportedModelError": "models.support",
     "available_methods": "methods",
     "compress": "api",
@@ -45,10 +46,9 @@ _EXPORTS = {
 
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
-    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
-    "available_methods", "compress", "export", "kv_stats", "load", "optimize", "patched", "restore",
-    "retained_positions",
-    "warmup",
+    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "TensorParallelError",
+    "UnsupportedModelError", "available_methods", "compress", "export", "kv_stats", "load", "optimize", "patched",
+    "restore", "retained_positions", "warmup",
 ]
 
 
@@ -103,4 +103,5 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from .models.support import UnsupportedModelError
     from .optimize import optimize, patched, restore
     from .passes import CaptureError
+    from .runtime.distributed import TensorParallelError
     from .serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams

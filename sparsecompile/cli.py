@@ -216,6 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
     server = replace(server, served_model_name=name)
     llm = LLM(model, args.method, device=args.device, dtype=_torch_dtype(args.dtype), model_name=name,
               **_options(args, EngineConfig, ServingConfig))
+    if not llm.is_driver:  # a tensor-parallel worker rank under torchrun: it served rank 0 until rank 0 stopped
+        return 0
     engine = llm.llm_engine
     keyed = " (API key required)" if (server.api_key or os.environ.get(API_KEY_ENV)) else ""
     print(f"sparsecompile: serving {name!r} (method {args.method}, max_model_len {engine.max_model_len}, "
@@ -224,6 +226,8 @@ def _serve(args: argparse.Namespace) -> int:
         serve(engine, server)
     except KeyboardInterrupt:  # uvicorn drains and shuts down on Ctrl-C, then re-raises it
         pass
+    finally:
+        llm.close()  # tensor-parallel workers stop with the server
     return 0
 
 

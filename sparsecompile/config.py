@@ -88,6 +88,10 @@ class EngineConfig:
                                           "GEMM per group")
     compile_cache: bool = option(True, "keep inductor's compiled graphs and kernels on disk (under the sparsecompile "
                                        "cache directory), so a new process starts warm")
+    tp_size: int = option(1, "tensor-parallel ranks the model is split over (heads, KV heads, MLP columns); > 1 runs "
+                             "inside a torchrun job of that many processes")
+    tp_timeout: float = option(600.0, "seconds a tensor-parallel collective waits for the other ranks before the "
+                                      "job stops")
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1 \
@@ -103,6 +107,10 @@ class EngineConfig:
             if getattr(self, name) not in (True, False, "auto"):
                 raise MethodConfigError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         _positive_int("num_pages", self.num_pages, allow_none=True)
+        _positive_int("tp_size", self.tp_size)
+        t = self.tp_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise MethodConfigError(f"tp_timeout must be a positive number of seconds, got {t!r}")
 
 
 # ---------------------------------------------------------------------------------------------------- serving
@@ -124,6 +132,8 @@ class ServingConfig:
     seed: int | None = option(None, "default sampling seed for requests that set none: the engine's n-th such "
                                     "request samples with seed + n, so a rerun gives the same tokens (default: "
                                     "unseeded)")
+    tensor_parallel_size: int = option(1, "GPUs (ranks) one model is split over; the engine starts the other ranks' "
+                                          "worker processes itself (or joins a torchrun job of that size)")
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -131,6 +141,7 @@ class ServingConfig:
             raise MethodConfigError(f"seed must be an integer or None, got {_described(self.seed)}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise MethodConfigError("pass kv_cache_memory or gpu_memory_utilization, not both")
         mem = self.kv_cache_memory

@@ -91,8 +91,9 @@ class LLM:
             "bfloat16", "float16" / "half".
         **options: serving options (:class:`sparsecompile.config.ServingConfig`: ``max_num_seqs``,
             ``max_num_batched_tokens``, ``kv_cache_memory``, ``gpu_memory_utilization``, ``max_model_len``,
-            ``cuda_graph_sizes``, ``model_name``, ``seed``), engine options (:class:`sparsecompile.config.EngineConfig`,
-            as ``optimize()`` takes them; ``block_size`` is vLLM's name for ``page_size``) and the method's options.
+            ``cuda_graph_sizes``, ``model_name``, ``seed``, ``tensor_parallel_size``: see
+            ``sparsecompile/parallel.py``), engine options (:class:`sparsecompile.config.EngineConfig`, as
+            ``optimize()`` takes them; ``block_size`` is vLLM's name for ``page_size``) and the method's options.
             An option none of them declares is refused, naming which kind it was taken for.
     """
 
@@ -102,6 +103,9 @@ class LLM:
         routed = split_method_options(method, options, accepted=OPTION_KINDS)  # refuse bad options before loading
         serving = ServingConfig(**routed["serving"])
         dtype = torch_dtype(dtype)
+        self._ids = itertools.count()
+        self._tensor_parallel = None
+        tp = max(serving.tensor_parallel_size, routed["engine"].get("tp_size", 1))
         if isinstance(model_or_path, nn.Module):
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a model object")
@@ -109,17 +113,47 @@ class LLM:
                 raise ValueError("dtype= and device= apply when LLM loads the model from a path or id; move a model "
                                  "object yourself (model.to(device, dtype)) before passing it")
             model = model_or_path
-        else:
-            from .models.default_model import load_model, resolve_model_path
+        elif tp == 1:
+            from .models.default_model import load_model
 
             model, loaded_tokenizer = load_model(model_or_path, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
-            if serving.model_name is None:
-                serving.model_name = (str(model_or_path) if model_or_path is not None
-                                      else resolve_model_path(None).name)
-        optimize(model, method=method, **routed["engine"], **routed["method"])
-        self.llm_engine = LLMEngine(model, tokenizer, serving)
-        self._ids = itertools.count()
+        if serving.model_name is None and not isinstance(model_or_path, nn.Module):
+            from .models.default_model import resolve_model_path
+
+            serving.model_name = str(model_or_path) if model_or_path is not None else resolve_model_path(None).name
+        if tp > 1:  # every rank builds its shard; rank 0 drives the others (sparsecompile/parallel.py)
+            from .parallel import launch
+
+            self._tensor_parallel = run = launch(model_or_path, method, {**routed["engine"], **routed["method"]}, tp,
+                                                 dtype=dtype, device=device)
+            if not run.is_driver:  # a worker rank of a torchrun job: it served rank 0 until rank 0 closed
+                self.llm_engine = None
+                return
+            model, tokenizer = run.model, tokenizer or run.tokenizer
+        else:
+            optimize(model, method=method, **routed["engine"], **routed["method"])
+        try:
+            self.llm_engine = LLMEngine(model, tokenizer, serving)
+        except BaseException:
+            self.close()  # tensor-parallel workers stop with it
+            raise
+
+    @property
+    def is_driver(self) -> bool:
+        """False on a worker rank of a tensor-parallel torchrun job (its constructor served rank 0's steps)."""
+        return self.llm_engine is not None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (rank 0); a no-op without tensor parallelism."""
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -127,6 +161,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = engine
         llm._ids = itertools.count()
+        llm._tensor_parallel = None
         return llm
 
     @property
@@ -143,6 +178,8 @@ class LLM:
         forms mixed. ``sampling_params``: one for all prompts or one per prompt (default ``SamplingParams()``).
         Every request is validated before any runs; a rejected one raises ``RequestRejected``.
         """
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM is a tensor-parallel worker rank (rank 0 drives the engine)")
         prompts = normalize_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

@@ -17,9 +17,12 @@ from .models.attention import ATTN_IMPLEMENTATION, register_attention
 from .models.colocate import colocate_projections, separate_projections
 from .models.hf_patch import install, install_sdpa_fallback, patch_of, uninstall
 from .models.support import UnsupportedModelError, attention_modules, inspect_model, model_dtype_device, text_config
+from .models.tensor_parallel import plan_tensor_parallel
 from .passes import CaptureError, capture_backend
+from .runtime import distributed
 from .runtime.compilation import decode_compiled, decode_cuda_graphs, enable_compile_caches, wanted
 from .runtime.controller import SparseController
+from .runtime.distributed import DistributedController
 
 
 def eviction_methods() -> list[str]:
@@ -81,10 +84,12 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         method: a registered method name (``sparsecompile.available_methods()``).
         **options: the method's options (its config dataclass in ``methods/<method>.py``) and the engine options
             of :class:`sparsecompile.config.EngineConfig` (``page_size``, ``prefill_chunk_size``, ``compile``,
-            ``cuda_graphs``, ``num_pages``, ``show_progress``, ``fuse_projections``, ``compile_cache``; their
-            defaults and help: ``sparsecompile generate --help``); aliases: ``block_size``
-            (vLLM) for ``page_size``, ``compression_ratio`` (kvpress: the fraction of the prompt removed) for an
-            eviction method's ``ratio = 1 - compression_ratio``).
+            ``cuda_graphs``, ``num_pages``, ``show_progress``, ``fuse_projections``, ``compile_cache``, ``tp_size``:
+            inside a ``torchrun`` job of N processes, N splits the model's heads, KV heads, MLP and vocabulary over
+            the ranks, see ``models/tensor_parallel.py``, ``tp_timeout``; their defaults and help:
+            ``sparsecompile generate --help``); aliases: ``block_size`` (vLLM) for ``page_size``,
+            ``compression_ratio`` (kvpress: the fraction of the prompt removed) for an eviction method's ``ratio = 1 -
+            compression_ratio``).
 
     Raises:
         TypeError: ``model`` is not a model instance (a path, a model id, a class).
@@ -100,7 +105,16 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     if patch_of(model) is not None:
         restore(model)
     info = inspect_model(model)
+    shard = None
+    if config.tp_size > 1:  # join the group and check the split before anything changes (tensor_parallel.py)
+        if not _can_set_attention(model):
+            raise UnsupportedModelError(f"{info.model_type} ignores set_attn_implementation; tensor parallelism needs "
+                                        "sparsecompile's attention")
+        shard = plan_tensor_parallel(model, info, config.tp_size, config.tp_timeout)
+        info = shard.info  # this rank's heads
     runtime = build_runtime(method, routed["method"], info)
+    if shard is not None:
+        shard.apply(model)
     dtype, device = model_dtype_device(model)
     controller = SparseController(runtime, info.num_layers, info.num_kv_heads, info.head_dim, dtype, device, config)
     if not _can_set_attention(model):
@@ -121,6 +135,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
     modules = [m for _, m in attention_modules(model)]
     patched = install(model, controller, modules, info.max_position_embeddings)
     patched.previous_attn = previous
+    if shard is not None:  # every controller call guarded: a rank's failure stops all ranks
+        patched.controller = DistributedController(controller, distributed.current())
     try:
         _check_capture(model, controller, info.num_layers)
     except BaseException:
