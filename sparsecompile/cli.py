@@ -162,9 +162,10 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
                                            "programs, weights, tokenizer, manifest) for `serve --artifact`")
     _add_model(export, methods)
     export.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
-    export.add_argument("--form", default="aoti", choices=["aoti", "exported"],
-                        help="aoti: AOTInductor packages (default); exported: torch.export programs, the fallback "
-                             "for hosts where AOTI packages do not load")
+    export.add_argument("--form", default=None, choices=["aoti", "exported"],
+                        help="aoti: AOTInductor packages; exported: torch.export programs plus the decode step's "
+                             "compile cache (default: aoti on CPU, exported on CUDA, where AOTI packages do not load "
+                             "on the H200 image)")
     export.add_argument("--no-compile-cache", action="store_true",
                         help="with --form exported: ship no compile cache (the loader then runs the programs eagerly)")
     exported = export.add_argument_group("serving options fixed in the artifact (max_num_seqs, max_model_len, "
@@ -263,7 +264,8 @@ def _export(args: argparse.Namespace) -> int:
     out = export(args.model, args.out, args.method, device=args.device, dtype=_torch_dtype(args.dtype), form=args.form,
                  compile_cache=not args.no_compile_cache, **_options(args, EngineConfig, ServingConfig))
     print(f"sparsecompile: exported {args.model or 'the embedded model'} with method {args.method} to {out} "
-          f"({args.form}, {time.perf_counter() - start:.0f} s); serve it with `sparsecompile serve --artifact {out}`",
+          f"({args.form or 'default form'}, {time.perf_counter() - start:.0f} s); serve it with "
+          f"`sparsecompile serve --artifact {out}`",
           file=sys.stderr)
     return 0
 

@@ -55,7 +55,7 @@ EXAMPLE_PAGES = 97
 
 
 def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLike, method: str = "vanilla", *,
-           tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str = "aoti",
+           tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str | None = None,
            compile_cache: bool = True, **options: Any) -> Path:
     """Export ``model`` with ``method`` into the artifact directory ``out_dir``; returns its path.
 
@@ -66,12 +66,12 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             ``max_num_seqs`` and ``max_model_len`` are fixed in the artifact (the decode program's tables have
             their shapes); the KV memory is chosen at load.
         form: ``"aoti"`` (AOTInductor packages) or ``"exported"`` (torch.export programs: the fallback for hosts
-            where AOTI packages do not load).
+            where AOTI packages do not load). Default: ``"aoti"`` on CPU, ``"exported"`` on CUDA, where on the H200
+            image (torch 2.11 + CUDA 13.0) ``aoti_load_package`` segfaults in a fresh process even for a package of
+            one ``Linear`` and no custom op (``benchmarks/aoti_min.py``, ``results/aoti_min_h200.log``).
         compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
             the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
     """
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     from .models.default_model import load_model, resolve_model_path
     from .optimize import optimize, restore, split_method_options
 
@@ -87,6 +87,10 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
         model, loaded = load_model(given, dtype=dtype, device=device)
         tokenizer = tokenizer or loaded
         name = serving.model_name or (str(given) if given is not None else resolve_model_path(None).name)
+    if form is None:
+        form = "exported" if next(model.parameters()).device.type == "cuda" else "aoti"
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},
              **routed["method"])
     try:
