@@ -109,7 +109,10 @@ if triton is not None:
                             scale, window, num_queries,
                             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, BITS: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_F: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                            BLOCK_F: tl.constexpr, NG: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        """One program: every query head of one (sequence, kv_head) over one split of its slots. A quantized tile is
+        ``NG`` key groups of one page: with one group the key scales fold into the query, with more the keys are
+        dequantized in registers."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // KV_HEADS
@@ -127,32 +130,47 @@ if triton is not None:
         qk_scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
         quant = tl.load(QUANT + b).to(tl.int32)
-        per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), G) * G  # group-aligned, so tiles never cross the boundary
+        TILE: tl.constexpr = NG * G
+        per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), TILE) * TILE  # tile-aligned: a tile never crosses a page
         lo = split * per_split
         hi = tl.minimum(length, lo + per_split)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         index = INDEX + b * stride_ib + h * stride_ih
-        tok = tl.arange(0, G)
+        tok = tl.arange(0, TILE)
         w = tl.arange(0, W)
         gi = tl.arange(0, D // G)
-        for start in range(lo, tl.minimum(hi, quant), G):  # quantized slots: one key group per tile
+        qhi = tl.minimum(hi, quant)
+        for start in range(lo, qhi, TILE):  # quantized slots
             page = tl.load(index + start // PAGE).to(tl.int64)
             first = (page * KV_HEADS + h) * PAGE + start % PAGE
             slot = first + tok  # rows of the [pages, heads, P] layout
+            tm = start + tok < qhi
             grp = (page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G
-            kcodes = _unpack(tl.load(KC + slot[:, None] * W + w[None, :]), G, W, PER_WORD, BITS)
-            ks = tl.load(KS + grp * D + d).to(tl.float32)
-            kz = tl.load(KZ + grp * D + d).to(tl.float32)
-            bias = tl.sum(q * kz[None, :], 1)
-            qs = q * ks[None, :]
-            if IEEE:
-                s = tl.dot(qs, tl.trans(kcodes), input_precision="ieee")
-            else:
-                s = tl.dot(qs.to(tl.bfloat16), tl.trans(kcodes.to(tl.bfloat16)))
-            s = (s + bias[:, None]) * qk_scale
-            kpos = tl.load(POS + slot).to(tl.int64)
+            kcodes = _unpack(tl.load(KC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
+                             PER_WORD, BITS)
+            if NG == 1:  # one group: (q * scale) . codes + q . zero
+                ks = tl.load(KS + grp * D + d).to(tl.float32)
+                kz = tl.load(KZ + grp * D + d).to(tl.float32)
+                bias = tl.sum(q * kz[None, :], 1)
+                qs = q * ks[None, :]
+                if IEEE:
+                    s = tl.dot(qs, tl.trans(kcodes), input_precision="ieee")
+                else:
+                    s = tl.dot(qs.to(tl.bfloat16), tl.trans(kcodes.to(tl.bfloat16)))
+                s = s + bias[:, None]
+            else:  # several groups: dequantize the keys
+                kg = grp + tok // G
+                ks = tl.load(KS + kg[:, None] * D + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+                kz = tl.load(KZ + kg[:, None] * D + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+                k = kcodes * ks + kz
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+            s = s * qk_scale
+            kpos = tl.load(POS + slot, mask=tm, other=-1).to(tl.int64)
             vis = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
             if window > 0:
                 vis = vis & (kpos[None, :] > qpos[:, None] - window)
@@ -162,11 +180,12 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vcodes = _unpack(tl.load(VC + slot[:, None] * W + w[None, :]), G, W, PER_WORD, BITS)
-            vs = tl.load(VS + slot[:, None] * (D // G) + gi[None, :]).to(tl.float32)  # [G, D / G]
-            vz = tl.load(VZ + slot[:, None] * (D // G) + gi[None, :]).to(tl.float32)
-            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (G, D // G, G)), (G, D))
-            vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (G, D // G, G)), (G, D))
+            vcodes = _unpack(tl.load(VC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
+                             PER_WORD, BITS)
+            vs = tl.load(VS + slot[:, None] * (D // G) + gi[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            vz = tl.load(VZ + slot[:, None] * (D // G) + gi[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (TILE, D // G, G)), (TILE, D))  # per channel group
+            vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (TILE, D // G, G)), (TILE, D))
             v = vcodes * vs + vz
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -213,8 +232,10 @@ if triton is not None:
             tl.store(MID_O + mid[:, None] * D + d[None, :], out, mask=row_ok[:, None])
 
 
-#: Launch configuration (``benchmarks/kernels.py --kivi-sweep`` times others on the GPU).
-KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 4, "num_stages": 3, "target_programs": 264}
+#: Launch configuration (``benchmarks/kernels.py --only kivi --sweep`` times others on the GPU). Not tuned on a GPU
+#: yet: ``groups_per_tile`` 1 folds the key scales into the query (least arithmetic), more groups per tile read
+#: more bytes per iteration.
+KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 4, "num_stages": 3, "target_programs": 264, "groups_per_tile": 1}
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
@@ -234,6 +255,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     block_m = max(16, triton.next_power_of_2(queries * group))
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
+    groups_per_tile = max(1, min(cfg["groups_per_tile"], page_size // group_size))
     splits = num_splits or _num_splits(batch * heads, span, 4 * group_size, cfg["target_programs"])
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
@@ -248,7 +270,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
         float(scale), int(sliding_window), queries,
         KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=storage_bits(kcode, dim),
-        RING=ring_k.shape[2], BLOCK_M=block_m, BLOCK_F=cfg["block_f"], NUM_SPLITS=splits,
+        RING=ring_k.shape[2], BLOCK_M=block_m, BLOCK_F=cfg["block_f"], NG=groups_per_tile, NUM_SPLITS=splits,
         IEEE=query.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

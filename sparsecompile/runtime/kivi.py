@@ -259,20 +259,26 @@ class KiviStorage:
         key, value, local = self._pending.pop(layer)
         rows, batch = step.rows, len(step.row_ids)
         counts = m.slot_count_array(step.row_ids)[:, layer]
+        history = counts - np.asarray(step.num_new_host)  # host: what the rows held before this step
         n = max(1, math.ceil(int(counts.max()) / P))
         S = n * P
         table = m.block_table[rows, layer, :n]
-        k, v = kivi_dequantize(*self.page_tensors(), table, key.dtype)  # [B, n, H, P, D]
-        k = k.transpose(1, 2).reshape(batch, H, S, D)
-        v = v.transpose(1, 2).reshape(batch, H, S, D)
         lengths = m.lengths[rows, layer].long()
-        before = lengths - step.num_new
-        j = torch.arange(S, device=key.device)
-        in_ring = ((j >= self.spec.quantized(before)[:, None]) & (j < before[:, None]))[:, None, :, None]
-        ring = self._ring_rows(layer, rows)[:, None].expand(-1, S)
-        ring_idx = (j % self.spec.ring)[None, :].expand(batch, -1)
-        k = torch.where(in_ring, self.ring_k[ring, :, ring_idx].transpose(1, 2).to(k.dtype), k)
-        v = torch.where(in_ring, self.ring_v[ring, :, ring_idx].transpose(1, 2).to(v.dtype), v)
+        if self.spec.quantized(history).max() > 0:  # quantized history: dequantize its pages
+            k, v = kivi_dequantize(*self.page_tensors(), table, key.dtype)  # [B, n, H, P, D]
+            k = k.transpose(1, 2).reshape(batch, H, S, D)
+            v = v.transpose(1, 2).reshape(batch, H, S, D)
+        else:
+            k = key.new_zeros(batch, H, S, D)
+            v = value.new_zeros(batch, H, S, D)
+        if history.max() > 0:  # residual history: from the ring
+            before = lengths - step.num_new
+            j = torch.arange(S, device=key.device)
+            in_ring = ((j >= self.spec.quantized(before)[:, None]) & (j < before[:, None]))[:, None, :, None]
+            ring = self._ring_rows(layer, rows)[:, None].expand(-1, S)
+            ring_idx = (j % self.spec.ring)[None, :].expand(batch, -1)
+            k = torch.where(in_ring, self.ring_k[ring, :, ring_idx].transpose(1, 2).to(k.dtype), k)
+            v = torch.where(in_ring, self.ring_v[ring, :, ring_idx].transpose(1, 2).to(v.dtype), v)
         b = torch.arange(batch, device=key.device)[:, None].expand_as(local)
         dst = torch.where(local >= 0, local, S)  # padding -> dropped column S
         k = torch.cat([k, k.new_zeros(batch, H, 1, D)], 2)
