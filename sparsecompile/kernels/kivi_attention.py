@@ -140,7 +140,6 @@ if triton is not None:
         index = INDEX + b * stride_ib + h * stride_ih
         tok = tl.arange(0, TILE)
         w = tl.arange(0, W)
-        gi = tl.arange(0, D // G)
         qhi = tl.minimum(hi, quant)
         for start in range(lo, qhi, TILE):  # quantized slots
             page = tl.load(index + start // PAGE).to(tl.int64)
@@ -182,10 +181,10 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             vcodes = _unpack(tl.load(VC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
                              PER_WORD, BITS)
-            vs = tl.load(VS + slot[:, None] * (D // G) + gi[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            vz = tl.load(VZ + slot[:, None] * (D // G) + gi[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (TILE, D // G, G)), (TILE, D))  # per channel group
-            vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (TILE, D // G, G)), (TILE, D))
+            # each channel reads its group's scale and zero (repeated addresses: one fetch per group)
+            vmeta = slot[:, None] * (D // G) + (d // G)[None, :]
+            vs = tl.load(VS + vmeta, mask=tm[:, None], other=0.0).to(tl.float32)
+            vz = tl.load(VZ + vmeta, mask=tm[:, None], other=0.0).to(tl.float32)
             v = vcodes * vs + vz
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")

@@ -132,7 +132,8 @@ if triton is not None:
     @triton.jit
     def _round_codes(x, mn, mx, LEVELS: tl.constexpr, SCALE_TY: tl.constexpr):
         """fp32 ``x`` with broadcastable group min / max -> (codes int32, scale, zero) in ``SCALE_TY``."""
-        scale = ((mx - mn) / LEVELS).to(SCALE_TY)
+        span = mx - mn
+        scale = tl.math.div_rn(span, tl.zeros_like(span) + LEVELS).to(SCALE_TY)  # rounded division, as torch's
         zero = mn.to(SCALE_TY)
         s = scale.to(tl.float32)
         z = zero.to(tl.float32)
