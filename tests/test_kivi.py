@@ -139,19 +139,22 @@ def test_kivi_storage_equals_independent_quantization_through_group_handover(chu
                     torch.testing.assert_close(out[i, 0, qh], want, atol=1e-5, rtol=1e-5)
 
 
-def test_snapkv_kivi_compacts_in_full_precision_then_quantizes_kept_tokens_once():
-    """snapkv+kivi: the prompt's kept tokens (per head, slot order) are quantized from their full-precision values;
+@pytest.mark.parametrize("method,options", [("snapkv+kivi", {}), ("pyramidkv+kivi", {"beta": 2})])
+def test_compositions_compact_in_full_precision_then_quantize_kept_tokens_once(method, options):
+    """<policy>+kivi: the prompt's kept tokens (per head, slot order) are quantized from their full-precision values;
     eviction frees pages; decode appends through the residual; bytes follow the formula."""
-    controller, model = make("snapkv+kivi", budget=14, window=4, bits=4, group_size=4, residual=4)
+    controller, model = make(method, budget=14, window=4, bits=4, group_size=4, residual=4, **options)
     spec = controller.runtime.storage
     assert controller.runtime.prefill_mode.value == "whole"
     lengths = [30, 22]
+    budgets = [controller.runtime.layer_budgets(n) for n in lengths]
+    assert method == "snapkv+kivi" or budgets[0][0] != budgets[0][1]  # pyramid: layers keep different counts
     for step, rows in enumerate(run(controller, model, lengths, 6)):
         m = controller.manager
-        for row in rows:
+        for i, row in enumerate(rows):
             for layer in range(LAYERS):
                 count, k, v, pos = kivi_state(controller, row, layer)
-                assert count == 14 + step
+                assert count == budgets[i][layer] + step
                 assert len(m.pages_of(row, layer)) == -(-count // m.layout.page_size)  # evicted pages freed
                 kept = torch.stack(m.retained_positions(row, layer))
                 assert torch.equal(pos.long(), kept)  # compaction keeps slot order = position order
@@ -160,8 +163,7 @@ def test_snapkv_kivi_compacts_in_full_precision_then_quantizes_kept_tokens_once(
                 torch.testing.assert_close(v, want_v, atol=1e-6, rtol=0)
                 assert m.resident_bytes(row, layer) == KV_HEADS * spec.slot_bytes(DIM, torch.float32, count)
     stats = sparsecompile.kv_stats(_Handle(controller, rows))
-    assert stats.resident_bytes == controller.oracle.kv_bytes([20] * LAYERS) * len(rows)
-    assert stats.resident_bytes == controller.oracle.resident_bytes(30, 6) * len(rows)
+    assert stats.resident_bytes == sum(controller.oracle.resident_bytes(n, 6) for n in lengths)
 
 
 class _Handle(sparsecompile.SparseCache):
