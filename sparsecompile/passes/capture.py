@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..kernels import paged_attention, paged_attention_lse
+from ..kernels import kivi_decode_attention, paged_attention, paged_attention_lse
 from ..runtime.compilation import inductor_patches
 from .fuse_linear import fuse_sibling_linears
 
@@ -24,7 +24,7 @@ class CaptureError(RuntimeError):
 
 
 _ATTENTION_OPS = {paged_attention, paged_attention.overloadpacket, paged_attention_lse,
-                  paged_attention_lse.overloadpacket}
+                  paged_attention_lse.overloadpacket, kivi_decode_attention, kivi_decode_attention.overloadpacket}
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SDPA_OVERLOADS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
 

@@ -31,6 +31,7 @@ from .view import Selection
 
 if TYPE_CHECKING:
     from .cache_manager import CacheManager, KVLayout
+    from .kivi import KiviSpec
     from .step import StepState
     from .view import AttentionView
 
@@ -99,6 +100,9 @@ class SparseMethod:
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True
+    #: How the CacheManager stores this method's K/V: None (dense, the model's dtype) or a ``runtime.kivi.KiviSpec``
+    #: (quantized pages; set per instance from the options of ``kivi`` and its compositions, ``methods/kivi.py``).
+    storage: KiviSpec | None = None
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config

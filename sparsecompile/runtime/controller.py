@@ -45,7 +45,9 @@ class SparseController:
                  dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         self.runtime = runtime
         self.config = config
-        self.layout = KVLayout(num_layers, num_kv_heads, head_dim, config.page_size, dtype, torch.device(device))
+        storage = runtime.storage  # the method's storage format (None: dense); it may need larger pages
+        page_size = config.page_size if storage is None else storage.page_size(config.page_size)
+        self.layout = KVLayout(num_layers, num_kv_heads, head_dim, page_size, dtype, torch.device(device), storage)
         self.oracle = runtime.memory_oracle(self.layout)
         self.oracle.prefill_chunk = self.prefill_chunk
         self.manager: CacheManager | None = None
@@ -216,6 +218,8 @@ class SparseController:
                                                view.lengths, step.positions, step.num_new, view.block_size, scale,
                                                sliding_window, known, rt.uses_prefill_lse, key, value)
             ctx.lse = lse if rt.uses_prefill_lse else None
+        elif view.quant is not None:  # quantized storage read in place (KIVI pages + residual)
+            out = view.quant.decode_attention(query, view, step.positions, scale, sliding_window)
         elif rt.uses_decode_lse:
             out, ctx.lse = paged_attention_lse(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
                                                view.lengths, step.positions, view.block_size, scale, sliding_window)
@@ -224,6 +228,7 @@ class SparseController:
                                   step.positions, view.block_size, scale, sliding_window)
         rt.on_attention_end(ctx, out)
         rt.on_layer_end(ctx)
+        m.end_layer(layer, step)  # the storage format commits the layer's new tokens (KIVI: what left the residual)
         return out
 
     # ------------------------------------------------------------------ steps (host around device)

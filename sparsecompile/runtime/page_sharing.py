@@ -127,8 +127,7 @@ class SharedPages:
             return
         pairs = to_device(np.array(self._copies, dtype=np.int64), self.layout.device)
         src, dst = pairs[:, 0], pairs[:, 1]
-        for pool in (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values(),
-                     *self.page_metadata.values()):
+        for pool in self._page_tensors():  # K/V in the manager's storage format, positions, metadata
             pool.index_copy_(0, dst, pool.index_select(0, src))
         self._copies.clear()
 

@@ -138,7 +138,7 @@ class LLMEngine:
         c = self.controller
         probe = c.build_pool(1, 1, 1)  # registers the method's metadata, so its bytes count per page
         per_page = probe.bytes_per_page
-        budget = kv_budget_bytes(config, self.device)
+        budget = kv_budget_bytes(config, self.device) - (max_num_seqs + 1) * probe.bytes_per_row  # KIVI residual rings
         useful = max_num_seqs * c.oracle.pages_for(c.oracle.peak_slots_per_layer(self.max_model_len, 0))
         pages = min(budget // per_page, useful)
         if pages < c.layout.num_layers:
