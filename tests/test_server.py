@@ -368,8 +368,12 @@ def test_cli_serve(smollm2_path, tmp_path):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
         assert chat["usage"]["prompt_tokens"] == len(tokenizer("Q: Hi\nA:", add_special_tokens=False).input_ids)
         unseeded = {"model": "cli-model", "prompt": "Once upon", "max_tokens": 6, "temperature": 1.0}
-        texts = {http.post("/v1/completions", json=unseeded).json()["choices"][0]["text"] for _ in range(2)}
-        assert len(texts) == 1  # --seed: requests without a seed sample with it
+        texts = [http.post("/v1/completions", json=unseeded).json()["choices"][0]["text"] for _ in range(2)]
+        # --seed 3 as in vLLM: requests without a seed take seeds 3, 4, 5, ... in arrival order (the chat took 3),
+        # so a restart replays them while two requests still differ
+        assert texts[0] != texts[1]
+        seeded = http.post("/v1/completions", json={**unseeded, "seed": 4}).json()["choices"][0]["text"]
+        assert seeded == texts[0]
         stream = {**unseeded, "max_tokens": 100, "ignore_eos": True, "stream": True}
         events = []
         with http.stream("POST", "/v1/completions", json=stream) as response:
