@@ -40,7 +40,8 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=262144,
                 rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-# Method rows of the benchmark: options as the performance targets state them.
+# Method rows of the benchmark: options as the performance targets state them ("method" names the registered
+# method when the row's name is not one: the KIVI rows at 2 and 4 bits).
 METHOD_OPTIONS = {
     "vanilla": {},
     "quest": {"budget": 2048},
@@ -49,7 +50,17 @@ METHOD_OPTIONS = {
     "pyramidkv": {"budget": 2048},
     "h2o": {"budget": 2048},
     "streamingllm": {"budget": 2048},
+    "kivi2": {"method": "kivi", "bits": 2},
+    "kivi4": {"method": "kivi", "bits": 4},
+    "snapkv+kivi": {"budget": 2048, "bits": 2},
+    "snapkv+kivi-r32": {"method": "snapkv+kivi", "budget": 2048, "bits": 2, "residual": 32},
 }
+
+
+def row_method(row: str) -> tuple[str, dict]:
+    """(registered method, its options) of a benchmark row."""
+    options = dict(METHOD_OPTIONS[row])
+    return options.pop("method", row), options
 
 PROFILE_STEPS = 4  # decode steps recorded by torch.profiler after a timed window
 
@@ -100,9 +111,12 @@ def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
     counts = controller.oracle.resident_slots_per_layer(context, 0)
     m.ensure_slots(rows, np.array([counts] * len(rows)))
     m.flush()
-    m.k_pool.normal_()
-    m.v_pool.normal_()
-    rows_t = torch.tensor(rows, device=m.k_pool.device)
+    if m.storage is None:
+        m.k_pool.normal_()
+        m.v_pool.normal_()
+    else:  # quantized pages: random codes, scales and residual
+        m.storage.fill_synthetic()
+    rows_t = torch.tensor(rows, device=m.pos_pool.device)
     heads = m.layout.num_kv_heads
     for layer, count in enumerate(counts):
         slots, _ = m.resident_slot_ids(layer, rows_t, count)
@@ -114,9 +128,9 @@ def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
 
 def engine_point(model, method: str, context: int, batch: int, warmup: int, steps: int, wbytes: int,
                  bandwidth: float, profile_path: str | None = None) -> Point:
-    options = METHOD_OPTIONS[method]
+    name, options = row_method(method)
     point = Point("sparsecompile", method, context, batch)
-    sparsecompile.optimize(model, method, compile=True, cuda_graphs=True, **options)
+    sparsecompile.optimize(model, name, compile=True, cuda_graphs=True, **options)
     patched = patched_model(model)
     controller = patched.controller
     # The pool holds what the method keeps after prefill (the prompt itself is never materialised here).
@@ -147,7 +161,12 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
         stats = sparsecompile.kv_stats(cache)
         read = [s.tokens_read for s in stats.layers]
         kv_read_token_heads = sum(read) if all(r is not None for r in read) else stats.resident_tokens
-        kv_bytes = kv_read_token_heads * controller.layout.bytes_per_slot_head
+        # K/V bytes read: the storage format's (KIVI: codes, scales, zeros, residual), positions not counted
+        kv_bytes = (stats.resident_bytes if all(r is None for r in read)
+                    else kv_read_token_heads * controller.layout.bytes_per_slot_head)
+        point.extra["kv_GB"] = round(kv_bytes / 1e9, 3)
+        point.extra["pool_GB"] = round((controller.manager.num_pages * controller.manager.bytes_per_page
+                                        + controller.manager.max_seqs * controller.manager.bytes_per_row) / 1e9, 3)
         point.resident_tokens = int(np.mean(counts))
         point.read_tokens = int(kv_read_token_heads / (batch * controller.layout.num_layers
                                                        * controller.layout.num_kv_heads))
@@ -237,7 +256,8 @@ def hf_point(model, kind: str, context: int, batch: int, warmup: int, steps: int
 
 def _fits(model, method: str, context: int, batch: int, extra_tokens: int) -> bool:
     """Whether ``batch`` sequences' KV (at the method's resident size) can be allocated and filled."""
-    sparsecompile.optimize(model, method, compile=False, **METHOD_OPTIONS[method])
+    name, options = row_method(method)
+    sparsecompile.optimize(model, name, compile=False, **options)
     controller = patched_model(model).controller
     per_seq = controller.oracle.resident_slots_per_layer(context, extra_tokens)
     controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
@@ -284,7 +304,8 @@ def prefill_point(model, method: str, context: int, chunk: int, profile_path: st
     """Wall time of one chunked prefill of ``context`` tokens (batch 1) through the patched forward
     (the second of two runs: the first compiles the Triton kernels); with ``profile_path`` a third run
     is recorded by torch.profiler."""
-    sparsecompile.optimize(model, method, compile=False, prefill_chunk_size=chunk, **METHOD_OPTIONS[method])
+    name, options = row_method(method)
+    sparsecompile.optimize(model, name, compile=False, prefill_chunk_size=chunk, **options)
     ids = torch.randint(3, 1000, (1, context), device="cuda")
 
     def run() -> float:
@@ -373,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bandwidth": bw}), flush=True)
     model = build_model(args.layers)
     wbytes = weight_bytes(model)
-    methods = [m for m in args.methods.split(",") if m in sparsecompile.available_methods()]
+    methods = [m for m in args.methods.split(",") if m in METHOD_OPTIONS]
     results_path = os.path.join(args.out, f"decode{args.tag}.jsonl")
     out = open(results_path, "a" if args.append else "w")
 
@@ -412,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 emit(hf_point(model, "static-compile", context, batch, args.warmup, args.steps, wbytes, bandwidth))
                 gc.collect()
                 torch.cuda.empty_cache()
-    for method in [m for m in args.max_batch.split(",") if m in sparsecompile.available_methods()]:
+    for method in [m for m in args.max_batch.split(",") if m in METHOD_OPTIONS]:
         found = max_batch(model, method, 131072, wbytes, bandwidth, args.warmup, args.steps,
                           args.out if args.profile_max_batch else None)
         if found["point"] is not None:
@@ -421,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {k: v for k, v in found.items() if k != "point"}
         out.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
-    for method in [m for m in args.prefill.split(",") if m in sparsecompile.available_methods()]:
+    for method in [m for m in args.prefill.split(",") if m in METHOD_OPTIONS]:
         path = os.path.join(args.out, f"profile_prefill_{method}_32k.txt") if args.profile_prefill else None
         row = prefill_point(model, method, 32768, 2048, path)
         out.write(json.dumps(row) + "\n")

@@ -1,10 +1,11 @@
 """Kernel microbenchmarks on CUDA: each sparsecompile kernel's achieved GB/s on the bytes it must read.
 
-    python benchmarks/kernels.py [--out benchmarks/results] [--sweep] [--quick] [--only attention|ops|mass]
+    python benchmarks/kernels.py [--out benchmarks/results] [--sweep] [--quick] [--only attention|ops|mass|kivi]
 
 Decode attention at the benchmark grid's shapes, then every other op at the size the decode benchmark
 (Llama-3.1-8B shape, 128K x 4, budget 2048, page 16) or the 32K chunked prefill gives it, then the
-attention-mass ops (``mass_kernels.py``: H2O decode and prefill chunks, SnapKV, KVzip). ``--only`` runs one
+attention-mass ops (``mass_kernels.py``: H2O decode and prefill chunks, SnapKV, KVzip), then the KIVI ops
+(``kivi_kernels.py``: quantized decode attention at 32K and 128K, quantize-on-write). ``--only`` runs one
 group and writes ``kernels_<group>.jsonl`` (the full run writes ``kernels.jsonl``); ``--sweep`` also times
 launch configurations; a short table is printed last.
 
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
+from kivi_kernels import kivi_rows  # noqa: E402
 from mass_kernels import mass_rows  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
@@ -174,20 +176,22 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--quick", action="store_true", help="two input copies and 10 replays per row")
-    parser.add_argument("--only", choices=("attention", "ops", "mass"), help="run one group of rows")
+    parser.add_argument("--only", choices=("attention", "ops", "mass", "kivi"), help="run one group of rows")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     copies, iters = (2, 10) if args.quick else (3, 20)
     bw = measure_read_bandwidth()
     print(json.dumps(bw))
     rows = []
-    groups = [args.only] if args.only else ["attention", "ops", "mass"]
+    groups = [args.only] if args.only else ["attention", "ops", "mass", "kivi"]
     for group in groups:
         try:
             if group == "attention":
                 new = attention_rows(bw, args.sweep, copies)
             elif group == "ops":
                 new = op_rows(copies)
+            elif group == "kivi":
+                new = kivi_rows(copies, iters, args.sweep)
             else:
                 new = mass_rows(copies, iters, args.sweep)
         except Exception as err:  # keep the other groups' rows if one fails
@@ -195,7 +199,7 @@ def main() -> None:
         for row in new:
             if row.get("GBps") and "pct_of_bw" not in row:
                 row["pct_of_bw"] = 100 * row["GBps"] / bw["best_GBps"]
-            if group != "attention":
+            if group not in ("attention", "kivi"):
                 print(json.dumps(row))
         rows += new
     name = f"kernels_{args.only}.jsonl" if args.only else "kernels.jsonl"

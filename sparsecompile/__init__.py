@@ -30,19 +30,25 @@ _EXPORTS = {
     "SamplingParams": "serving.outputs",
     "ServingConfig": "config",
     "SparseCache": "models.hf_cache",
+    "TensorParallelError": "runtime.distributed",
     "UnsupportedModelError": "models.support",
     "available_methods": "methods",
     "compress": "api",
+    "export": "export",
+    "load": "export",
     "kv_stats": "api",
     "optimize": "optimize",
+    "patched": "optimize",
     "restore": "optimize",
     "retained_positions": "api",
+    "warmup": "api",
 }
 
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
-    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "UnsupportedModelError",
-    "available_methods", "compress", "kv_stats", "optimize", "restore", "retained_positions",
+    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "TensorParallelError",
+    "UnsupportedModelError", "available_methods", "compress", "export", "kv_stats", "load", "optimize", "patched",
+    "restore", "retained_positions", "warmup",
 ]
 
 
@@ -60,8 +66,8 @@ def __getattr__(name: str) -> Any:
 
 
 class _Package(types.ModuleType):
-    """``sparsecompile.optimize`` stays the function: importing the submodule ``sparsecompile.optimize`` makes the
-    import system bind the module to that attribute, which this property ignores."""
+    """``sparsecompile.optimize`` / ``sparsecompile.export`` stay the functions: importing the submodule of the same
+    name makes the import system bind the module to that attribute, which these properties ignore."""
 
     @property
     def optimize(self) -> Any:
@@ -69,6 +75,14 @@ class _Package(types.ModuleType):
 
     @optimize.setter
     def optimize(self, value: Any) -> None:
+        pass
+
+    @property
+    def export(self) -> Any:
+        return _load("export")
+
+    @export.setter
+    def export(self, value: Any) -> None:
         pass
 
 
@@ -80,12 +94,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers see the eager imports
-    from .api import compress, kv_stats, retained_positions
+    from .api import compress, kv_stats, retained_positions, warmup
     from .config import EngineConfig, MethodConfigError, ServingConfig
+    from .export import export, load
     from .llm import LLM
     from .methods import available_methods
     from .models.hf_cache import SparseCache
     from .models.support import UnsupportedModelError
-    from .optimize import optimize, restore
+    from .optimize import optimize, patched, restore
     from .passes import CaptureError
+    from .runtime.distributed import TensorParallelError
     from .serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams

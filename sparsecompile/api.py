@@ -89,3 +89,31 @@ def compress(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         cache.release()
         raise
     return cache
+
+
+def warmup(model: nn.Module, batch_sizes: tuple[int, ...] | list[int] = (1,), prompt_len: int = 1024,
+           max_new_tokens: int = 256) -> dict[int, float]:
+    """Compile the decode step ahead of time, for each batch size, at the pool geometry ``generate()`` uses for
+    prompts of ``prompt_len`` tokens and ``max_new_tokens`` new ones; returns seconds per batch size.
+
+    Later ``generate()`` calls of that geometry in this process reuse the graphs; other processes find them in the
+    on-disk compile cache (``EngineConfig.compile_cache``). ``sparsecompile warmup`` runs this from the shell.
+    """
+    import time
+
+    patched = patched_model(model)
+    if not patched.controller.compiles_decode:
+        raise ValueError("this model's decode step is not compiled (compile=False, or not on CUDA): nothing to warm up")
+    device = next(model.parameters()).device
+    seconds = {}
+    for batch in batch_sizes:
+        ids = torch.zeros(batch, prompt_len, dtype=torch.long, device=device)
+        cache = SparseCache(patched.controller, expected_new_tokens=max_new_tokens)  # the pool generate() would size
+        start = time.perf_counter()
+        try:
+            model.generate(ids, attention_mask=torch.ones_like(ids), **{patched.cache_name: cache}, max_new_tokens=3,
+                           min_new_tokens=3, do_sample=False, pad_token_id=0)
+        finally:
+            cache.release()
+        seconds[batch] = time.perf_counter() - start
+    return seconds

@@ -15,4 +15,8 @@ DENSE_EQUIVALENT = {
     "pyramidkv": {"budget": 64},
     "h2o": {"budget": 64},
     "kvzip": {"budget": 64},
+    # KIVI storage: a residual longer than every sequence keeps all tokens in full precision (the quantized paths are
+    # checked against independent formulas in tests/test_kivi.py); head_dim 16 needs groups of at most 16
+    "kivi": {"residual": 64, "group_size": 16},
+    "snapkv+kivi": {"budget": 64, "residual": 64, "group_size": 16},
 }

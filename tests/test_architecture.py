@@ -59,4 +59,4 @@ def test_cli_help_is_instant_and_flags_come_from_the_configs():
                            text=True, check=True).stdout
     for flag in ("--max-num-seqs", "--gpu-memory-utilization", "--prefill-chunk-size", "--budget", "--window"):
         assert flag in serve
-    assert "(default: 2048)" in serve and "observation window" in serve
+    assert "(default: 16)" in serve and "observation window" in serve

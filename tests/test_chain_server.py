@@ -25,7 +25,7 @@ def test_chain_id_round_trip_and_metrics():
     async def run() -> tuple[list[dict], dict[str, dict]]:
         transport = httpx.ASGITransport(app=app)
         bodies = []
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             prompt = first
             for _ in range(2):
                 response = await client.post("/v1/completions", json={
@@ -64,7 +64,7 @@ def test_prune_endpoint_runs_blocks_and_reports():
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             first = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
                                                                "temperature": 0, "chain_id": "s"})
             tokens = prompt + [int(t) for t in first.json()["choices"][0]["text"].split()]

@@ -35,3 +35,29 @@ def test_capture_check_rejects_raw_sdpa():
     with pytest.raises(Exception) as err:
         compiled(torch.randn(1, 2, 4, 8))
     assert isinstance(err.value, CaptureError) or "CaptureError" in str(err.value)
+
+
+@pytest.mark.slow
+def test_warmup_compiles_ahead_into_the_disk_cache(tmp_path, monkeypatch, caplog):
+    """`sparsecompile.warmup` compiles the decode step of each batch size before the first real call, announces it,
+    and leaves inductor's graphs under the sparsecompile cache directory; the real call then compiles nothing."""
+    monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    torch._dynamo.reset()
+    counters.clear()
+    reference, model = tiny_pair("llama", seed=6)
+    sparsecompile.optimize(model, "vanilla", page_size=4, compile=True)
+    caplog.set_level("INFO", logger="sparsecompile")
+    logger = __import__("logging").getLogger("sparsecompile")
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "disabled", False)  # a logging.config call elsewhere in the session may disable it
+    seconds = sparsecompile.warmup(model, batch_sizes=[2], prompt_len=12, max_new_tokens=8)
+    assert set(seconds) == {2}
+    assert "compiling the decode step for batch 2" in caplog.text
+    assert any((tmp_path / "compile").rglob("*")), "inductor wrote nothing under the sparsecompile cache"
+    graphs = counters["stats"]["unique_graphs"]
+    ids = torch.randint(3, 96, (2, 12))
+    want = reference.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), want)
+    assert counters["stats"]["unique_graphs"] == graphs  # the warmed-up graph served the real call

@@ -10,7 +10,8 @@ import torch
 
 from sparsecompile.kernels import dense_attention, kv_write, kv_write_reference, paged_attention
 from sparsecompile.kernels.library import triton_available
-from sparsecompile.kernels.paged_attention import paged_attention_reference
+from sparsecompile.kernels.paged_attention import paged_attention_lse_reference, paged_attention_reference
+from sparsecompile.kernels.pool import gather_slots, view_slots, visibility
 
 NUM_PAGES, HEADS, PAGE, DIM, GROUP = 10, 2, 4, 16, 3
 
@@ -122,6 +123,31 @@ def test_triton_paged_attention_matches_reference(block_size, entries, queries, 
     want = paged_attention_reference(query, k, v, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM), window)
     got = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM), window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the log-sum-exp variant (H2O's decode scoring reads it): single-split and merged-split paths
+    got, lse = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM), window,
+                                      with_lse=True)
+    want_out, want_lse = paged_attention_lse_reference(query, k, v, pos, index, lengths, qpos, block_size,
+                                                       1 / math.sqrt(DIM), window)
+    torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
+    seen = ~want_lse.isneginf()
+    assert torch.equal(lse.isneginf(), ~seen)
+    torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_lse_op():
+    k, v, pos = _pool(5)
+    query, index, lengths, qpos = _case(PAGE, 5, 1, seed=4)
+    args = (query, k, v, pos, index, lengths, qpos, PAGE, 1 / math.sqrt(DIM), 0)
+    torch.library.opcheck(torch.ops.sparsecompile.paged_attention_lse.default, args)
+    out, lse = torch.ops.sparsecompile.paged_attention_lse(*args)
+    torch.testing.assert_close(out, paged_attention_reference(*args))
+    slots, valid = view_slots(index, lengths, PAGE)  # independent: the logits of every visible slot, logsumexp'd
+    keys = gather_slots(k, slots).float()  # [batch, kv_heads, slots, dim]
+    visible = visibility(gather_slots(pos, slots), valid, qpos, 0)[:, :, 0]  # [batch, kv_heads, slots]
+    q = query[:, :, 0].float().view(query.shape[0], HEADS, -1, DIM)  # [batch, kv_heads, group, dim]
+    logits = torch.einsum("bhgd,bhsd->bhgs", q, keys) / math.sqrt(DIM)
+    want = torch.logsumexp(logits.masked_fill(~visible[:, :, None], float("-inf")), -1).flatten(1)
+    torch.testing.assert_close(lse[:, :, 0], want, atol=1e-5, rtol=1e-5)
 
 
 @triton_only

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecompile.serving.outputs import RequestRejected, SamplingParams
-from sparsecompile.serving.sampling import make_generator, sample
+from sparsecompile.serving.sampling import TokenHistory, make_generator, process_logits, sample, token_logprobs
 
 # Chi-square critical values at p = 1e-4 (degrees of freedom -> value): a correct sampler fails once in 10^4 runs,
 # and every test seeds its RNG, so a run is deterministic anyway.
@@ -298,6 +298,20 @@ def test_never_samples_a_filtered_token(case):
     (dict(seed="7"), "seed"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(n=0), "n"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty=math.nan), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(prompt_logprobs=True), "prompt_logprobs"),
 ])
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(RequestRejected, match=rf"SamplingParams: {field} "):
@@ -325,3 +339,101 @@ def test_sample_does_not_modify_logits():
     before = logits.clone()
     sample(logits, [SamplingParams(temperature=0.5, top_k=3, top_p=0.8, min_p=0.1)] * 4, [None] * 4)
     assert torch.equal(logits, before)
+
+
+# ---------------------------------------------------------------------------------------------- logits processing
+def _reference_processing(logits: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int],
+                          eos: set[int]) -> np.ndarray:
+    """vLLM's definitions, one token at a time in float64."""
+    x = logits.astype(np.float64).copy()
+    if len(output) < p.min_tokens:
+        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos):
+            if t < len(x):  # stop ids outside the vocabulary cannot be sampled anyway
+                x[t] = -np.inf
+    for t, bias in (p.logit_bias or {}).items():
+        x[t] += bias
+    for t in range(len(x)):
+        count = output.count(t)
+        if t in prompt or count:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return x
+
+
+def test_process_logits_matches_the_definitions_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    vocab = 40
+    logits = torch.randn(5, vocab, generator=g) * 3
+    rows = [  # (params, prompt, output)
+        (SamplingParams(repetition_penalty=1.7), [3, 3, 9, 39], [1, 9, 9]),
+        (SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4), [2, 4], [5, 5, 5, 6, 2]),
+        (SamplingParams(temperature=1.0), [1], [2]),  # no processing: untouched
+        (SamplingParams(min_tokens=3, stop_token_ids=[7, 99], logit_bias={0: 5.0, 8: -100}), [1, 2], [4, 4]),
+        (SamplingParams(min_tokens=2, ignore_eos=True, repetition_penalty=0.5, presence_penalty=1.0), [0], [0, 1]),
+    ]
+    params = [r[0] for r in rows]
+    histories = [TokenHistory(prompt, output) for _, prompt, output in rows]
+    eos = {11, 12}
+    got = process_logits(logits.clone(), params, histories, eos)
+    for i, (p, prompt, output) in enumerate(rows):
+        want = _reference_processing(logits[i].numpy(), p, prompt, output, eos)
+        np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], logits[2])
+    assert torch.isinf(got[3, [7, 11, 12]]).all() and not torch.isinf(got[4]).any()  # ignore_eos keeps EOS open
+
+
+def test_greedy_rows_pick_the_argmax_of_processed_logits():
+    logits = torch.tensor([[4.0, 3.9, 0.0, -1.0]] * 3)
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0, min_tokens=1),
+              SamplingParams(temperature=0, logit_bias={3: 6.0})]
+    histories = [TokenHistory([0], []), TokenHistory([2], []), TokenHistory([2], [])]
+    out = sample(logits, params, [None] * 3, histories, eos_token_ids={0})
+    assert out.tolist() == [1, 1, 3]  # 4/2 < 3.9; EOS 0 masked until a token exists; +6 lifts token 3
+    with pytest.raises(ValueError, match="TokenHistory"):
+        sample(logits, params, [None] * 3)
+
+
+def test_penalties_change_sampled_distributions_as_defined():
+    # presence penalty ln(2) on token 3 halves its odds: probabilities proportional to PROBS with p[3] / 2
+    rows = 20_000
+    p = SamplingParams(temperature=1.0, presence_penalty=math.log(2))
+    out = sample(known_logits(rows), [p] * rows, [None] * rows, [TokenHistory([], [3])] * rows).numpy()
+    expected = np.array([PROBS[i] for i in range(VOCAB)])
+    expected[3] /= 2
+    _check_distribution(out, expected / expected.sum())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-46),  # would be 0 in fp32: greedy
+    SamplingParams(temperature=1e-5 / 2),
+    SamplingParams(temperature=1.0, top_p=1e-50),  # rounds to 0 in fp32: the top token stays
+    SamplingParams(temperature=1.0, min_p=1.0),  # keeps only the top token
+    SamplingParams(temperature=0.7, top_k=1, top_p=1e-30, min_p=1.0),
+])
+def test_underflowing_sampling_is_greedy(params):
+    logits = torch.randn(32, 500) * 5
+    assert torch.equal(sample(logits, [params] * 32, [make_generator(i, "cpu") for i in range(32)]),
+                       logits.argmax(-1))
+
+
+def test_non_finite_probabilities_fall_back_to_argmax():
+    logits = torch.randn(4, 50)
+    logits[0, 7] = torch.inf  # inf - inf = NaN after the max shift
+    logits[1] = torch.nan
+    logits[2, :] = -torch.inf  # nothing possible at all
+    params = [SamplingParams(temperature=1.0)] * 3 + [SamplingParams(temperature=1e300)]  # overflows fp32
+    out = sample(logits, params, [None] * 4)
+    assert out[0] == 7 and 0 <= out[1] < 50 and 0 <= out[2] < 50 and 0 <= out[3] < 50
+    huge = sample(torch.randn(2000, 6) * 3, [SamplingParams(temperature=1e300)] * 2000, [None] * 2000)
+    assert len(set(huge.tolist())) == 6  # a huge temperature is uniform, not argmax
+
+
+def test_token_logprobs_are_log_softmax_with_ranks():
+    logits = (torch.randn(6, 30) * 2).to(torch.bfloat16)
+    tokens = torch.tensor([0, 5, 29, 3, 3, 17])
+    chosen, rank, top_lp, top_ids = token_logprobs(logits, tokens, 4)
+    reference = logits.float().log_softmax(-1)
+    assert torch.allclose(chosen, reference[torch.arange(6), tokens])
+    assert rank.tolist() == [int((reference[i] >= reference[i, t]).sum()) for i, t in enumerate(tokens.tolist())]
+    assert torch.equal(top_ids, reference.topk(4).indices) and torch.allclose(top_lp, reference.topk(4).values)
+    assert token_logprobs(logits, tokens, 0)[2].shape == (6, 0)

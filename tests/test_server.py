@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import ServerThread, sse_events
 
 from sparsecompile.server import create_app
 from sparsecompile.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
@@ -34,29 +31,6 @@ MODEL = "smollm2-test"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 256
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1 (a free port) in a background thread; a context manager."""
-
-    def __init__(self, app) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "uvicorn did not shut down"
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -83,13 +57,6 @@ def wait_until_idle(base_url: str, free_pages: float, timeout: float = 20.0) -> 
             f"engine not idle after {timeout} s: running {metric(values, 'num_requests_running')}, waiting "
             f"{metric(values, 'num_requests_waiting')}, free pages {metric(values, 'kv_pages_free')} of {free_pages}")
         time.sleep(0.1)
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            yield data if data == "[DONE]" else json.loads(data)
 
 
 # ------------------------------------------------------------------------------------------ the real engine
@@ -124,7 +91,7 @@ def test_concurrent_streams_with_cancellations(served):
     async def client(i: int) -> tuple[str, str | None, dict | None]:
         body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "temperature": 0, "stream": True,
                 # a cancelled request would run ~240 steps (a minute) if it were not aborted
-                "max_tokens": 1000 if i in cancelled else MAX_TOKENS,
+                "max_tokens": 240 if i in cancelled else MAX_TOKENS,
                 "stream_options": {"include_usage": True}}
         if i in cancelled:
             body.pop("stream_options")
@@ -177,7 +144,7 @@ def test_concurrent_streams_with_cancellations(served):
 
 def test_non_streaming_client_that_gives_up_is_aborted(served):
     before = scrape(served.url)
-    body = {"model": MODEL, "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 240, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
     after = wait_until_idle(served.url, served.free_pages, timeout=15)
@@ -195,9 +162,16 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):
         ({**ok, "prompt": long_prompt}, 400, ["prompt has", f"{MAX_MODEL_LEN} tokens"]),
         (b'{"model": "smollm2-test", "prompt": "hi",', 400, ["not valid JSON"]),
         ({**ok, "frobnicate": 1}, 400, ["unknown field", "frobnicate"]),
-        ({**ok, "n": 2}, 400, ["n must be 1"]),
+        ({**ok, "n": 0}, 400, ["n", "greater than or equal to 1"]),
         ({**ok, "prompt": ["a", "b"]}, 400, ["batch prompts not supported"]),
-        ({**ok, "logprobs": 2}, 400, ["logprobs are not supported"]),
+        ({**ok, "logprobs": 21}, 400, ["logprobs", "less than or equal to 20"]),
+        ({**ok, "max_tokens": MAX_MODEL_LEN}, 400, [f"max_tokens={MAX_MODEL_LEN} is too large",
+                                                    f"context is {MAX_MODEL_LEN} tokens", "at most"]),
+        ({**ok, "min_tokens": 9}, 400, ["min_tokens must be an integer in [0, max_tokens=8]"]),
+        ({**ok, "logit_bias": {"x": 1}}, 400, ["logit_bias keys must be token ids"]),
+        ({**ok, "logit_bias": {"5": 101}}, 400, ["logit_bias values must be in [-100, 100]"]),
+        ({**ok, "presence_penalty": 2.5}, 400, ["presence_penalty", "less than or equal to 2"]),
+        ({**ok, "prompt_logprobs": 1, "stream": True}, 400, ["prompt_logprobs are not available"]),
         ({**ok, "top_p": 1.5}, 400, ["top_p", "less than or equal to 1"]),
         ({**ok, "temperature": -0.5}, 400, ["temperature"]),
         ({**ok, "stop_token_ids": [-3]}, 400, ["stop_token_ids must be token ids >= 0"]),
@@ -224,7 +198,7 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == served.refs[PROMPTS[0]].text
     values = wait_until_idle(served.url, served.free_pages, timeout=10)
-    assert metric(values, "requests_rejected_total", status="400") >= 13
+    assert metric(values, "requests_rejected_total", status="400") >= 19
 
 
 def test_openai_shaped_responses_health_models_metrics(served):
@@ -289,14 +263,91 @@ def test_openai_shaped_responses_health_models_metrics(served):
     assert ("sparsecompile_num_preemptions_total", ()) in after
 
 
-def test_cli_serve(smollm2_path):
-    """``sparsecompile serve`` starts a server that answers, and shuts down cleanly on Ctrl-C (SIGINT)."""
+def test_vllm_sampling_options_in_openai_shapes(served):
+    """n, logprobs, echo, seed, logit_bias, penalties, min_tokens and prompt_logprobs through the `openai` client,
+    whose response models check the shapes; streams carry the same tokens, text and logprobs as the responses."""
+    from openai import OpenAI
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = PROMPTS[0]
+    ids = served.tokenizer(prompt).input_ids
+    args = dict(model=MODEL, prompt=prompt, max_tokens=5, n=2, logprobs=2, echo=True, seed=5, temperature=1.0)
+    sampled = client.completions.create(**args)
+    assert isinstance(sampled, Completion) and [c.index for c in sampled.choices] == [0, 1]
+    assert sampled.usage.completion_tokens == sum(len(c.logprobs.tokens) - len(ids) for c in sampled.choices)
+    for choice in sampled.choices:
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt) and lp.tokens[:len(ids)] == [served.tokenizer.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(1 <= len(d) <= 3 for d in lp.top_logprobs[1:])
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert [c.text for c in client.completions.create(**args).choices] == [c.text for c in sampled.choices]
+    assert sampled.choices[0].text != sampled.choices[1].text  # siblings sample on their own
+
+    greedy = client.completions.create(**{**args, "temperature": 0, "n": 1},
+                                       extra_body={"prompt_logprobs": 1, "repetition_penalty": 1.0})
+    choice = greedy.choices[0]
+    assert choice.text == prompt + served.refs[prompt].text[:len(choice.text) - len(prompt)]
+    generated = choice.logprobs.token_logprobs[len(ids):]
+    assert generated == [max(d.values()) for d in choice.logprobs.top_logprobs[len(ids):]]  # greedy: the top token
+    prompt_lp = choice.model_extra["prompt_logprobs"]
+    assert prompt_lp[0] is None and len(prompt_lp) == len(ids)
+    assert [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], prompt_lp[1:])] == \
+        choice.logprobs.token_logprobs[1:len(ids)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "logprobs": 2, "echo": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
+        chunks = [e["choices"][0] for e in sse_events(response.iter_lines()) if e != "[DONE]"]
+    assert "".join(c["text"] for c in chunks) == choice.text
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((c["logprobs"][key] for c in chunks), []) == getattr(choice.logprobs, key), key
+
+    target = served.tokenizer(" Paris").input_ids[0]
+    biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                       logit_bias={str(target): 100}, presence_penalty=0.5, frequency_penalty=0.5)
+    assert biased.choices[0].text == " Paris" * 3
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logit_bias={"2": 100},
+                                       extra_body={"min_tokens": 6})  # EOS (2) made certain, but masked
+    assert forced.usage.completion_tokens == 6 and forced.choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    assert isinstance(chat, ChatCompletion) and chat.choices[0].message.content == chat.choices[1].message.content
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens // 2
+    for item in content:
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].token == item.token
+        assert item.logprob == item.top_logprobs[0].logprob and item.bytes == list(item.token.encode())
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert text == chat.choices[0].message.content and [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))  # n=2 batched vs alone
+    assert chunks[-1].usage.completion_tokens == len(content)
+
+
+def test_cli_serve(smollm2_path, tmp_path):
+    """``sparsecompile serve MODEL`` with vLLM-style flags (API key, chat template file, default seed) answers; SIGTERM
+    drains it: a running stream ends with an error event and ``data: [DONE]``, and the process exits 0 without a
+    traceback (SIGINT takes the same path through uvicorn)."""
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    cmd = [sys.executable, "-m", "sparsecompile.cli", "serve", "--model", str(smollm2_path), "--port", str(port),
+    cmd = [sys.executable, "-m", "sparsecompile.cli", "serve", str(smollm2_path), "--port", str(port),
            "--dtype", "float32", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "2",
-           "--kv-cache-memory", "64MiB", "--served-model-name", "cli-model"]
+           "--kv-cache-memory", "64MiB", "--served-model-name", "cli-model", "--api-key", "k3y",
+           "--chat-template", str(template), "--seed", "3", "--log-level", "info", "--block-size", "16"]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base_url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -308,16 +359,46 @@ def test_cli_serve(smollm2_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.25)
-        assert httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"] == "cli-model"
+        assert httpx.get(f"{base_url}/v1/models").status_code == 401
+        http = httpx.Client(base_url=base_url, headers={"Authorization": "Bearer k3y"}, timeout=60)
+        assert http.get("/v1/models").json()["data"][0]["id"] == "cli-model"
         body = {"model": "cli-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-        chat = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()
+        chat = http.post("/v1/chat/completions", json=body).json()
         assert chat["usage"]["completion_tokens"] == 2 and chat["choices"][0]["finish_reason"] == "length"
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+        assert chat["usage"]["prompt_tokens"] == len(tokenizer("Q: Hi\nA:", add_special_tokens=False).input_ids)
+        unseeded = {"model": "cli-model", "prompt": "Once upon", "max_tokens": 6, "temperature": 1.0}
+        texts = [http.post("/v1/completions", json=unseeded).json()["choices"][0]["text"] for _ in range(2)]
+        # --seed 3 as in vLLM: requests without a seed take seeds 3, 4, 5, ... in arrival order (the chat took 3),
+        # so a restart replays them while two requests still differ
+        assert texts[0] != texts[1]
+        seeded = http.post("/v1/completions", json={**unseeded, "seed": 4}).json()["choices"][0]["text"]
+        assert seeded == texts[0]
+        stream = {**unseeded, "max_tokens": 100, "ignore_eos": True, "stream": True}
+        events = []
+        with http.stream("POST", "/v1/completions", json=stream) as response:
+            for event in sse_events(response.iter_lines()):
+                events.append(event)
+                if len(events) == 2:
+                    process.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"]
+        assert len(events) < 60
     finally:
-        process.send_signal(signal.SIGINT)
-        output = process.communicate(timeout=30)[0]
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0]
     assert process.returncode == 0, output[-2000:]
-    assert "serving 'cli-model' (method vanilla, max_model_len 128" in output
+    assert "serving 'cli-model' (method vanilla, max_model_len 128" in output and "(API key required)" in output
     assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+def test_cli_serve_flags():
+    from sparsecompile.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "model-dir", "--block-size", "32", "--log-level", "debug",
+                                      "--allowed-hosts", "a.example", "b.example", "--max-request-bytes", "1MiB"])
+    assert (args.model_path, args.page_size, args.uvicorn_log_level) == ("model-dir", 32, "debug")
+    assert args.allowed_hosts == ["a.example", "b.example"] and args.max_request_bytes == 1 << 20
 
 
 # -------------------------------------------------------------------------- a scripted engine that fails

@@ -28,3 +28,14 @@ def test_serving_benchmark_smoke(tmp_path):
     assert rows[2]["useful_tokens"] == header["output_tokens"] <= rows[2]["generated_tokens"]
     table = (tmp_path / "serving_smoke.md").read_text()
     assert table.count("| sparsecompile |") == 2 and "| hf-dynamic |" in table
+
+
+def test_serving_burst_benchmark_smoke(tmp_path):
+    import serving_burst
+
+    argv = ["--device", "cpu", "--tiny", "--running", "2", "--burst", "4", "--prompt", "48", "--budget", "128",
+            "--steady-steps", "4", "--out", str(tmp_path), "--tag", "_smoke"]
+    assert serving_burst.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "serving_burst_smoke.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["per_chunk", "batched"]
+    assert all(r["burst_p99_ms"] >= r["burst_p50_ms"] > 0 and r["steady_p50_ms"] > 0 for r in rows)

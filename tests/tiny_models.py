@@ -48,3 +48,14 @@ def left_padded_batch(lengths=(13, 9, 5), vocab: int = 96, seed: int = 1):
         ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
         mask[i, width - n:] = 1
     return ids, mask
+
+
+def word_tokenizer(vocab_size: int = 96):
+    """A saveable word-level tokenizer whose ids are the model's ids (``"t17"`` <-> 17), for random models that must
+    ship a tokenizer (exported artifacts); prompts are passed as token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0", pad_token="t0")

@@ -68,14 +68,14 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE,
+    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE, LSE,
                                 stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
                                 stride_pb, stride_ob, stride_ot, stride_oh,
                                 scale, window, num_queries,
                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                IEEE: tl.constexpr):
+                                IEEE: tl.constexpr, WRITE_LSE: tl.constexpr):
         """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
 
         With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
@@ -143,6 +143,9 @@ if triton is not None:
         if NUM_SPLITS == 1:
             tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
                      out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+            if WRITE_LSE:  # [batch, q_heads, queries], natural log; -inf where the query sees nothing
+                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+                tl.store(LSE + (b * (KV_HEADS * GROUP) + qh) * num_queries + t, lse, mask=row_ok)
         else:
             # partials laid out [batch, q_heads, queries, NUM_SPLITS, (HEAD_DIM)]
             mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
@@ -151,9 +154,9 @@ if triton is not None:
             tl.store(MID_O + mid[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & dmask[None, :])
 
     @triton.jit
-    def _combine_kernel(MID_O, MID_LSE, OUT, stride_ob, stride_ot, stride_oh, num_queries,
+    def _combine_kernel(MID_O, MID_LSE, OUT, LSE, stride_ob, stride_ot, stride_oh, num_queries,
                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
         """Merge the split partials of one (sequence, query, q_head) row by their log-sum-exp."""
         row = tl.program_id(0)  # (b * Q_HEADS + qh) * num_queries + t
         t = row % num_queries
@@ -172,6 +175,8 @@ if triton is not None:
         out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
         tl.store(OUT + b * stride_ob + t * stride_ot + qh * stride_oh + d, out.to(OUT.dtype.element_ty),
                  mask=d < HEAD_DIM)
+        if WRITE_LSE:
+            tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
 def _num_splits(programs: int, span: int, block_n: int, target: int) -> int:
@@ -193,11 +198,12 @@ PREFILL_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "target_progra
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
-                           config: dict | None = None) -> torch.Tensor:
+                           config: dict | None = None, with_lse: bool = False):
     """Triton launch with the semantics of :func:`paged_attention_reference`.
 
     Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
-    programs (flash-decoding) and merge the partials; larger calls tile the query rows.
+    programs (flash-decoding) and merge the partials; larger calls tile the query rows. ``with_lse``: also return
+    each query's log-sum-exp ``[batch, q_heads, queries]`` fp32 (the merge step has it anyway).
     """
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
@@ -220,22 +226,45 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     else:
         mid_o = mid_lse = out
     block_d = max(16, triton.next_power_of_2(head_dim))
+    lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device) if with_lse else out
     _paged_attention_kernel[(m_blocks, batch * kv_heads, splits)](
-        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse,
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse, lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
         float(scale), int(sliding_window), queries,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WRITE_LSE=with_lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), queries,
+            mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), queries,
             Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_lse,
         )
-    return out
+    return (out, lse) if with_lse else out
+
+
+def paged_attention_lse_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                  sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_reference` plus each query's log-sum-exp ``[batch, q_heads, queries]`` fp32."""
+    from .attention_mass import attention_lse_reference
+
+    out = paged_attention_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                    sliding_window)
+    return out, attention_lse_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                        sliding_window)
+
+
+def _triton_lse(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    return paged_attention_triton(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                  sliding_window, with_lse=True)
+
+
+def _fake_lse(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    batch, q_heads, queries, head_dim = query.shape
+    return query.new_empty(batch, queries, q_heads, head_dim), query.new_empty(batch, q_heads, queries,
+                                                                                dtype=torch.float32)
 
 
 def _fake(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
@@ -249,4 +278,13 @@ paged_attention = define_op(
     cpu=paged_attention_reference,
     cuda=paged_attention_triton if triton is not None else None,
     fake=_fake,
+)
+
+#: The same attention, also returning each query's log-sum-exp (methods that score decode steps with it: H2O).
+paged_attention_lse = define_op(
+    "paged_attention_lse(Tensor query, Tensor k_pool, Tensor v_pool, Tensor pos_pool, Tensor index, "
+    "Tensor lengths, Tensor q_positions, int block_size, float scale, int sliding_window) -> (Tensor out, Tensor lse)",
+    cpu=paged_attention_lse_reference,
+    cuda=_triton_lse if triton is not None else None,
+    fake=_fake_lse,
 )

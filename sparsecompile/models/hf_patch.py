@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -23,9 +24,10 @@ from ..passes.sdpa_rewrite import sdpa_rewrite_backend
 from ..runtime.compilation import compile_dynamic
 from ..runtime.controller import SparseController
 from .attention import CONTROLLER_ATTR
+from .fast_generate import MODEL_CACHE_FIELD, SparseSampleLoop
+from .generate_args import GENERATE_ONLY, check_generate_arguments
 from .hf_cache import SparseCache
 
-_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 # Arguments the patched forward consumes itself; anything else is passed to the original forward.
 _CONSUMED = {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
              "logits_to_keep", "return_dict", "labels", "output_attentions", "output_hidden_states", "cache_position"}
@@ -65,6 +67,8 @@ class PatchedModel:
         self.cache_name = cache_argument_name(model)
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(self.orig_forward).parameters
         self.signature = inspect.signature(self.orig_forward)
+        self.generate_signature = inspect.signature(self.orig_generate)
+        self.model_ref = weakref.ref(model)  # generate()'s argument checks read the model's generation_config
         self.last_cache = None  # weakref target for kv_stats(model)
         self.previous_attn: str | None = None  # the attention implementation restore() gives back
 
@@ -82,7 +86,7 @@ class PatchedModel:
         bound = self.signature.bind_partial(*args, **kwargs)
         params = dict(bound.arguments)
         params.update(params.pop("kwargs", {}) or {})
-        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and v is not None)
+        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and k not in GENERATE_ONLY and v is not None)
         if extra:
             raise TypeError(f"sparsecompile's patched forward does not support the argument(s) {extra}")
         if params.get("labels") is not None:
@@ -129,7 +133,7 @@ class PatchedModel:
         if use_cache is False:
             cache.release()
             cache = None
-        out = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        out = CausalLMOutputWithPast(logits=logits, **{MODEL_CACHE_FIELD: cache})
         return out if params.get("return_dict", True) is not False else out.to_tuple()
 
     def _run(self, cache: SparseCache, input_ids, inputs_embeds, position_ids, valid, logits_to_keep) -> torch.Tensor:
@@ -161,10 +165,8 @@ class PatchedModel:
 
     # ------------------------------------------------------------------ generate
     def generate(self, *args, **kwargs):
-        if kwargs.get("num_beams", 1) not in (None, 1):
-            raise ValueError("beam search is not supported with sparsecompile (use num_beams=1)")
-        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
-            raise ValueError("assisted / speculative decoding is not supported with sparsecompile")
+        checked = check_generate_arguments(self.model_ref(), self.generate_signature, args, kwargs, self.max_length)
+        args, kwargs = checked.args, checked.kwargs
         cache = next((kwargs[k] for k in (self.cache_name, "past_key_values", "cache") if kwargs.get(k) is not None),
                      None)
         if cache is not None and not isinstance(cache, SparseCache):
@@ -174,15 +176,28 @@ class PatchedModel:
         if created:
             cache = SparseCache(self.controller, expected_new_tokens=_expected_new_tokens(kwargs))
             kwargs[self.cache_name] = cache
+        model_config = getattr(self.orig_generate.__self__, "generation_config", None)
+        if kwargs.get("custom_generate") is None and _own_loop_applies(kwargs, model_config):
+            # HF prepares, our loop decodes (models/fast_generate.py). HF hands a custom decoding method neither the
+            # tokenizer nor the streamer: the loop gets the streamer here, and stop strings (which need the
+            # tokenizer) keep HF's own loop, as does use_cache=False (every step re-reads the whole sequence).
+            kwargs["custom_generate"] = SparseSampleLoop(self, streamer=kwargs.get("streamer"), user_cache=not created)
         try:
             out = self.orig_generate(*args, **kwargs)
         except BaseException:
             if created:
                 cache.release()
             raise
-        if created and not kwargs.get("return_dict_in_generate"):
+        if created and not checked.return_dict:
             cache.release()
         return out
+
+
+def _own_loop_applies(kwargs: dict, model_config) -> bool:
+    config = kwargs.get("generation_config") or model_config
+    stop_strings = kwargs.get("stop_strings") or getattr(config, "stop_strings", None)
+    use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+    return not stop_strings and use_cache is not False
 
 
 def _expected_new_tokens(kwargs: dict) -> int:

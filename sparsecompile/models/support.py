@@ -39,6 +39,54 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(found, key=lambda item: item[1].layer_idx)
 
 
+_OFFLOAD_PLACES = ("cpu", "disk", "meta")
+
+
+def _place(value) -> str:
+    """A ``hf_device_map`` value as a device name (accelerate writes GPU indices as ints)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"cuda:{value}"
+    text = str(value)
+    return "cuda:0" if text == "cuda" else text
+
+
+def check_placement(model: nn.Module, model_type: str) -> None:
+    """Refuse weights we cannot place: offloaded by accelerate (CPU / disk / meta), or spread over several devices.
+
+    The KV pool and the compiled decode step live on one device next to every weight; accelerate's offload hooks
+    move weights in and out around each module's forward, which our capture and pool do not follow.
+    """
+    device_map = getattr(model, "hf_device_map", None) or {}
+    by_place: dict[str, list[str]] = {}
+    for module, value in device_map.items():
+        by_place.setdefault(_place(value), []).append(module or "(whole model)")
+    offloaded = {p: m for p, m in by_place.items() if p in _OFFLOAD_PLACES}
+    devices = sorted(p for p in by_place if p not in _OFFLOAD_PLACES)
+    if offloaded and (devices or "disk" in offloaded or "meta" in offloaded):
+        where = "; ".join(f"{', '.join(m[:3])}{' ...' if len(m) > 3 else ''} on {p}" for p, m in offloaded.items())
+        raise UnsupportedModelError(
+            f"{model_type}: its device_map offloads weights ({where}): sparsecompile needs every weight resident on "
+            "the device that runs it; load the model on one device (no device_map, or device_map='cuda:0') with "
+            "enough memory, or a smaller / quantized checkpoint")
+    if len(devices) > 1:
+        raise UnsupportedModelError(
+            f"{model_type}: its device_map spreads the layers over {len(devices)} devices ({', '.join(devices)}); "
+            "sparsecompile runs a model on one device. Load it on one GPU, or split it with tensor parallelism "
+            "(sparsecompile.LLM(..., tensor_parallel_size=N), the tp_size engine option) instead of a device_map")
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    meta = [name for name, t in tensors if t.is_meta]
+    if meta:
+        raise UnsupportedModelError(
+            f"{model_type}: {len(meta)} weights are on the meta device (e.g. {meta[0]}): the model was built without "
+            "its weights (init_empty_weights) or accelerate offloads them (cpu_offload / disk_offload, a device_map "
+            "with cpu or disk entries). Load the weights onto one device first")
+    placed = sorted({str(t.device) for _, t in tensors})
+    if len(placed) > 1:
+        raise UnsupportedModelError(
+            f"{model_type}: its weights are on several devices ({', '.join(placed)}); move the model to one device "
+            "(model.to('cuda')) before sparsecompile.optimize(), or use tensor parallelism to split it over GPUs")
+
+
 def inspect_model(model: nn.Module) -> ModelInfo:
     """Describe ``model`` or raise :class:`UnsupportedModelError` saying why it cannot be served."""
     config = text_config(model)
@@ -47,6 +95,7 @@ def inspect_model(model: nn.Module) -> ModelInfo:
         raise UnsupportedModelError(f"{model_type}: encoder-decoder models are not supported (causal LMs only)")
     if not hasattr(model, "generate"):
         raise UnsupportedModelError(f"{type(model).__name__} is not a generative model")
+    check_placement(model, model_type)
     if model_type in _REFUSED_MODEL_TYPES:
         raise UnsupportedModelError(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}")
     if getattr(config, "attn_logit_softcapping", None):

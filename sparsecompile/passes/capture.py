@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ..kernels import kivi_decode_attention, paged_attention, paged_attention_lse
 from ..runtime.compilation import inductor_patches
 from .fuse_linear import fuse_sibling_linears
 
@@ -22,6 +23,8 @@ class CaptureError(RuntimeError):
     """An attention site escaped sparsecompile (it would run dense, silently)."""
 
 
+_ATTENTION_OPS = {paged_attention, paged_attention.overloadpacket, paged_attention_lse,
+                  paged_attention_lse.overloadpacket, kivi_decode_attention, kivi_decode_attention.overloadpacket}
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SDPA_OVERLOADS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
 
@@ -38,7 +41,7 @@ def count_attention_sites(gm: fx.GraphModule) -> Counter:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in (torch.ops.sparsecompile.paged_attention.default, torch.ops.sparsecompile.paged_attention):
+        if node.target in _ATTENTION_OPS:
             counts["sparsecompile"] += 1
         elif _is_sdpa(node):
             counts["sdpa"] += 1

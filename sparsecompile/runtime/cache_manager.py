@@ -12,6 +12,10 @@ Storage model
   own tokens: ``pos_pool`` is the per-layer, per-KV-head retained-slot map to logical positions.
 * Method metadata lives here too: *slot metadata* (pool-shaped, e.g. H2O scores) moves with its
   token on compaction; *page metadata* (e.g. Quest min/max keys) is indexed by page.
+* Storage format: ``KVLayout.storage`` None keeps K/V in ``k_pool / v_pool`` (dense, the model's dtype); a
+  :class:`~.kivi.KiviSpec` stores them as KIVI pages plus a full-precision residual (``runtime/kivi.py``: then
+  ``k_pool / v_pool`` are None and :attr:`CacheManager.storage` owns the K/V tensors). Positions, slot and page
+  metadata, block tables and slot counts are the same for every format.
 
 Host / device split
 -------------------
@@ -36,6 +40,7 @@ import torch
 from ..kernels import gather_slots, kv_write
 from .allocator import BlockAllocator, OutOfPages
 from .host import to_device
+from .kivi import KiviSpec, KiviStorage
 from .page_sharing import SharedPages
 from .step import StepState
 from .view import AttentionView, PageSelection, Selection, SlotSelection
@@ -51,6 +56,7 @@ class KVLayout:
     page_size: int
     dtype: torch.dtype
     device: torch.device
+    storage: KiviSpec | None = None  # None: dense K/V in ``dtype``
 
     @property
     def bytes_per_slot_head(self) -> int:
@@ -64,6 +70,7 @@ class CacheManager(SharedPages):
     def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
         self.layout = layout
         self.allocator = BlockAllocator(num_pages)
+        self.storage = KiviStorage(self, layout.storage) if layout.storage is not None else None
         self.slot_metadata: dict[str, torch.Tensor] = {}
         self._slot_fill: dict[str, float] = {}
         self.page_metadata: dict[str, torch.Tensor] = {}
@@ -88,8 +95,17 @@ class CacheManager(SharedPages):
     @property
     def bytes_per_page(self) -> int:
         """Device bytes one page costs: K, V, positions and every registered slot / page metadata tensor."""
-        tensors = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values(), *self.page_metadata.values())
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        return sum(t[0].numel() * t.element_size() for t in self._page_tensors())
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Device bytes each sequence row costs whether it holds pages or not (the KIVI residual rings)."""
+        return 0 if self.storage is None else self.storage.row_bytes
+
+    def _page_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor indexed by page (copied by copy-on-write and growth, counted by :attr:`bytes_per_page`)."""
+        kv = (self.k_pool, self.v_pool) if self.storage is None else self.storage.page_tensors()
+        return (*kv, self.pos_pool, *self.slot_metadata.values(), *self.page_metadata.values())
 
     @property
     def max_seqs(self) -> int:
@@ -104,13 +120,18 @@ class CacheManager(SharedPages):
         dev, dtype = self.layout.device, self.layout.dtype
         # One extra "trash" page, never allocated, absorbs masked scatters (static shapes, no races).
         self.trash_page = num_pages
-        self.k_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
-        self.v_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
+        if self.storage is None:
+            self.k_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
+            self.v_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
+        else:
+            self.k_pool = self.v_pool = None
+            self.storage.allocate(num_pages, max_seqs)
         self.pos_pool = torch.full((num_pages + 1, H, P), -1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(max_seqs, L, max_pages_per_seq, dtype=torch.int32, device=dev)
         self.lengths = torch.zeros(max_seqs, L, dtype=torch.int32, device=dev)
         for t in (self.k_pool, self.v_pool, self.pos_pool, self.block_table, self.lengths):
-            torch._dynamo.mark_static_address(t)
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
 
     def grow(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
         """Enlarge the pool, the row count and the block-table width, keeping every live sequence.
@@ -124,10 +145,14 @@ class CacheManager(SharedPages):
         old_meta = dict(self.slot_metadata)
         old_page_meta = dict(self.page_metadata)
         old_pages = self.num_pages
+        old_storage = None if self.storage is None else self.storage.tensors()
         self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
+        if self.storage is not None:
+            self.storage.copy_from(old_storage, old_pages, self._host_table.shape[0])
         self.allocator.extend(num_pages)  # before re-registering page metadata, which is sized by num_pages
         for new, prev in zip((self.k_pool, self.v_pool, self.pos_pool), old):
-            new[:old_pages] = prev[:old_pages]
+            if new is not None:
+                new[:old_pages] = prev[:old_pages]
         for name, prev in old_meta.items():
             del self.slot_metadata[name]
             self.register_slot_metadata(name, prev.dtype, self._slot_fill[name])[:old_pages] = prev[:old_pages]
@@ -190,6 +215,7 @@ class CacheManager(SharedPages):
         self._host_table[row] = 0
         self._live_rows.discard(row)
         self._shared_rows.discard(row)
+        self._holes.discard(row)
         self._free_rows.append(row)
         self._dirty_rows.add(row)
 
@@ -242,6 +268,8 @@ class CacheManager(SharedPages):
         keep_pages = math.ceil(count / self.layout.page_size)
         if count > int(self._host_lengths[row, layer]):
             raise ValueError(f"truncate to {count} slots but only {int(self._host_lengths[row, layer])} are used")
+        if self.storage is not None:
+            self.storage.on_truncate(row, layer, int(self._host_lengths[row, layer]), count)
         self.allocator.free(owned[keep_pages:])
         del owned[keep_pages:]
         self._owned[row, layer] = keep_pages
@@ -275,6 +303,23 @@ class CacheManager(SharedPages):
         if row not in self._live_rows:
             raise ValueError(f"row {row} is not a live sequence")
 
+    # ---- storage-format adjustments of page sharing (page_sharing.py)
+    def fork_sequence(self, row: int) -> int:
+        new = super().fork_sequence(row)
+        if self.storage is not None:
+            self.storage.fork_row(row, new)
+        return new
+
+    def prepare_writes(self, rows: list[int], from_slots: np.ndarray) -> int:
+        return super().prepare_writes(rows, self._written_from(from_slots))
+
+    def pages_to_copy(self, rows: list[int], from_slots: np.ndarray) -> int:
+        return super().pages_to_copy(rows, self._written_from(from_slots))
+
+    def _written_from(self, from_slots: np.ndarray) -> np.ndarray:
+        """A step appending after ``from_slots`` may also write earlier slots (KIVI quantizes from ``Q(from)``)."""
+        return from_slots if self.storage is None else self.storage.written_from(np.asarray(from_slots))
+
     # ------------------------------------------------------------------ device side (traceable)
     def global_slots(self, layer: int, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1)."""
@@ -295,7 +340,10 @@ class CacheManager(SharedPages):
         used = self.lengths[step.rows, layer].long() - step.num_new  # [batch]
         local = torch.where(step.new_offsets >= 0, used[:, None] + step.new_offsets, step.new_offsets)
         slots = self.global_slots(layer, step.rows, local)
-        kv_write(self.k_pool, self.v_pool, self.pos_pool, key, value, slots, step.positions)
+        if self.storage is None:
+            kv_write(self.k_pool, self.v_pool, self.pos_pool, key, value, slots, step.positions)
+        else:
+            self.storage.write(layer, step, key, value, local, slots)
         if self.slot_metadata:
             per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
             for name, meta in self.slot_metadata.items():
@@ -317,6 +365,10 @@ class CacheManager(SharedPages):
         """The AttentionView of ``layer`` for this step: every resident slot, or the selected subset."""
         H, P = self.layout.num_kv_heads, self.layout.page_size
         rows = step.rows
+        if self.storage is not None:
+            if selection is not None:
+                raise TypeError("a KIVI-stored cache has no logical selection (selection methods are refused)")
+            return self.storage.view(layer, step)
         table = self.block_table[rows, layer]  # [batch, max_pages]
         if selection is None:
             index = table[:, None, :].expand(-1, H, -1)
@@ -331,6 +383,11 @@ class CacheManager(SharedPages):
             return AttentionView(self.k_pool, self.v_pool, self.pos_pool, slots.clamp(min=0).to(torch.int32),
                                  selection.counts.to(torch.int32), 1)
         raise TypeError(f"unknown selection type {type(selection).__name__}")
+
+    def end_layer(self, layer: int, step: StepState) -> None:
+        """After the layer's attention and hooks: the storage format commits the layer's new tokens (KIVI)."""
+        if self.storage is not None:
+            self.storage.end_layer(layer, step)
 
     def resident_slot_ids(self, layer: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slot ids of the first ``width`` row-local slots ``[batch, width]`` and their validity."""
@@ -349,6 +406,9 @@ class CacheManager(SharedPages):
         g_src = self.global_slots(layer, rows, src.reshape(batch, -1)).reshape(batch, H, n).clamp(min=0)
         g_dst = self.global_slots(layer, rows, dst.reshape(batch, -1)).reshape(batch, H, n)
         pools = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values())
+        if self.storage is not None:
+            self.storage.move(layer, rows, src, dst)
+            pools = pools[2:]
         moved = [gather_slots(pool, g_src) for pool in pools]  # read everything before writing
         for pool, values in zip(pools, moved):
             self.scatter_slots(pool, g_dst, values)
@@ -361,6 +421,7 @@ class CacheManager(SharedPages):
         per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
         pos = gather_slots(self.pos_pool, per_head)
         self.scatter_slots(self.pos_pool, torch.where(pos >= first, per_head, -1), torch.full_like(pos, -1))
+        self._holes.add(row)
 
     # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
     def retained_positions(self, row: int, layer: int) -> list[torch.Tensor]:
@@ -377,3 +438,12 @@ class CacheManager(SharedPages):
     def resident_tokens(self, row: int, layer: int) -> list[int]:
         """Tokens resident per KV head of ``(row, layer)``."""
         return [int(p.numel()) for p in self.retained_positions(row, layer)]
+
+    def resident_bytes(self, row: int, layer: int) -> int:
+        """K/V bytes ``(row, layer)`` holds, all KV heads: resident tokens x head_dim x 2 x dtype size (dense), or
+        the KIVI codes, scales and residual of its slots (positions not counted)."""
+        lay = self.layout
+        if self.storage is None:
+            return sum(self.resident_tokens(row, layer)) * lay.bytes_per_slot_head
+        count = int(self._host_lengths[row, layer])
+        return lay.num_kv_heads * self.storage.spec.slot_bytes(lay.head_dim, lay.dtype, count)

@@ -8,10 +8,25 @@ CUDA-graph batch sizes), so a new knob or a version workaround has one home.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from ..config import cache_root
+
+logger = logging.getLogger("sparsecompile")
+if not logger.handlers:  # a library default, as transformers does: INFO to stderr, silence with setLevel(WARNING)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("sparsecompile: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def wanted(flag: bool | str, device: torch.device) -> bool:
@@ -57,3 +72,27 @@ def allow_recompiles(graphs: int) -> None:
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs)
+
+
+def enable_compile_caches() -> str:
+    """Keep compiled graphs on disk so a new process starts warm: inductor's FX graph cache and the AOTAutograd
+    cache, with inductor's and Triton's cache directories under ``<cache_root>/compile/torch-<version>`` (a user's
+    own ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win). Returns the inductor cache directory."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    base = cache_root() / "compile" / f"torch-{torch.__version__}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / "triton"))
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+@contextmanager
+def compile_notice(what: str) -> Iterator[None]:
+    """Tell the user a graph is being compiled (the first call of each shape; later processes hit the disk cache)."""
+    logger.info("compiling %s (first call; cached on disk for later processes) ...", what)
+    start = time.perf_counter()
+    yield
+    logger.info("compiled %s in %.1f s", what, time.perf_counter() - start)

@@ -31,6 +31,7 @@ from .view import Selection
 
 if TYPE_CHECKING:
     from .cache_manager import CacheManager, KVLayout
+    from .kivi import KiviSpec
     from .step import StepState
     from .view import AttentionView
 
@@ -61,8 +62,8 @@ class LayerContext:
         new_slots: ``[batch, tokens]`` global slot ids the new tokens were written to (-1 = padding).
         scale: softmax scale; sliding_window: 0 or the layer's window.
         view: the AttentionView read by this layer (set before ``on_attention_end``).
-        lse: ``[batch, q_heads, tokens]`` fp32 log-sum-exp of each query's scaled logits over the view (prefill
-            steps; None in decode), for scoring without a second normaliser pass.
+        lse: ``[batch, q_heads, tokens]`` fp32 log-sum-exp of each query's scaled logits over the view, for
+            scoring without a second normaliser pass (set when the method declares ``uses_*_lse``).
     """
 
     layer: int
@@ -109,12 +110,21 @@ class SparseMethod:
     #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
     #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
     reads_pool_across_layers: ClassVar[bool] = False
+    #: Prompt tokens per prefill forward when the engine option is not set (0: the whole prompt, the fastest on the
+    #: H200 for methods that hold the whole prompt anyway: README "Prefill"); chunk-wise eviction sets its chunk.
+    default_prefill_chunk: ClassVar[int] = 0
+    #: Prefill / decode hooks read ``LayerContext.lse`` (the attention's log-sum-exp); others let the kernels skip it.
+    uses_prefill_lse: ClassVar[bool] = False
+    uses_decode_lse: ClassVar[bool] = False
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True
     #: The controller gives ``prepare_step`` each prefill row's token ids (``StepState.prompt_tokens``; one host copy
     #: of the chunk's ids per prefill forward), for methods that re-read the prompt.
     needs_prompt_tokens: ClassVar[bool] = False
+    #: How the CacheManager stores this method's K/V: None (dense, the model's dtype) or a ``runtime.kivi.KiviSpec``
+    #: (quantized pages; set per instance from the options of ``kivi`` and its compositions, ``methods/kivi.py``).
+    storage: KiviSpec | None = None
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config

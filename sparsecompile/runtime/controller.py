@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..kernels import paged_attention, paged_prefill_attention
+from ..kernels import paged_attention, paged_attention_lse, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
-from .compilation import compile_step
+from .compilation import compile_notice, compile_step
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .step import StepState
 
@@ -28,12 +28,13 @@ InnerForward = Callable[..., torch.Tensor]
 
 
 def _bucket(n: int) -> int:
-    """Round ``n`` up to one of a few sizes per power of two (<= 12.5% waste), so capacities (and the
-    compiled graphs that depend on them) change rarely."""
+    """Round ``n`` up to one of 32 sizes per power of two (<= 3.2 % waste: a 128K prompt's pool is 16 GiB on the
+    8B shape, and prefill memory must not exceed HF's), so capacities, and the compiled graphs that depend on them,
+    change rarely."""
     n = max(1, n)
-    if n <= 16:
+    if n <= 32:
         return 1 << math.ceil(math.log2(n))
-    step = 1 << (n.bit_length() - 4)
+    step = 1 << (n.bit_length() - 6)
     return -(-n // step) * step
 
 
@@ -44,7 +45,9 @@ class SparseController:
                  dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         self.runtime = runtime
         self.config = config
-        self.layout = KVLayout(num_layers, num_kv_heads, head_dim, config.page_size, dtype, torch.device(device))
+        storage = runtime.storage  # the method's storage format (None: dense); it may need larger pages
+        page_size = config.page_size if storage is None else storage.page_size(config.page_size)
+        self.layout = KVLayout(num_layers, num_kv_heads, head_dim, page_size, dtype, torch.device(device), storage)
         self.oracle = runtime.memory_oracle(self.layout)
         self.oracle.prefill_chunk = self.prefill_chunk
         self.manager: CacheManager | None = None
@@ -52,6 +55,7 @@ class SparseController:
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
+        self._compiled_shapes: set[tuple[int, int, int]] = set()  # (batch, pool pages, table width) compiled so far
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
@@ -61,9 +65,12 @@ class SparseController:
         """Prompt tokens per prefill forward (None: the whole prompt in one forward), from the engine option and
         the method's prefill mode: the one place that decides it (``generate()``, the scheduler and the memory
         oracle all read it)."""
-        if self.runtime.prefill_mode is PrefillMode.WHOLE or not self.config.prefill_chunk_size:
+        chunk = self.config.prefill_chunk_size
+        if chunk is None:
+            chunk = self.runtime.default_prefill_chunk
+        if self.runtime.prefill_mode is PrefillMode.WHOLE or not chunk:
             return None
-        return self.config.prefill_chunk_size
+        return chunk
 
     # ------------------------------------------------------------------ capacity (host)
     def reserve(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
@@ -212,15 +219,23 @@ class SparseController:
             return out
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
         ctx.view = view = m.build_view(layer, step, selection)
-        if step.is_prefill:  # tensor-core prefill kernel; its log-sum-exp serves the methods' scoring
-            out, ctx.lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
-                                                   view.lengths, step.positions, step.num_new, view.block_size,
-                                                   scale, sliding_window)
+        if step.is_prefill:  # tensor-core prefill paths; the log-sum-exp serves methods that score with it
+            known = step.dense_lengths[layer] if step.dense_lengths and selection is None else -1
+            out, lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                               view.lengths, step.positions, step.num_new, view.block_size, scale,
+                                               sliding_window, known, rt.uses_prefill_lse, key, value)
+            ctx.lse = lse if rt.uses_prefill_lse else None
+        elif view.quant is not None:  # quantized storage read in place (KIVI pages + residual)
+            out = view.quant.decode_attention(query, view, step.positions, scale, sliding_window)
+        elif rt.uses_decode_lse:
+            out, ctx.lse = paged_attention_lse(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                               view.lengths, step.positions, view.block_size, scale, sliding_window)
         else:
             out = paged_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
                                   step.positions, view.block_size, scale, sliding_window)
         rt.on_attention_end(ctx, out)
         rt.on_layer_end(ctx)
+        m.end_layer(layer, step)  # the storage format commits the layer's new tokens (KIVI: what left the residual)
         return out
 
     # ------------------------------------------------------------------ steps (host around device)
@@ -237,6 +252,8 @@ class SparseController:
     def _begin(self, step: StepState) -> None:
         m = self.manager
         before = self._make_room(step)
+        if step.is_prefill:
+            step.dense_lengths = self._dense_lengths(step, before)
         self.runtime.prepare_step(m, step)
         if m.has_shared_rows(step.row_ids):  # copy-on-write: the pages this step writes must be the row's own
             rewrites = self.runtime.rewrites_resident(m, step)
@@ -247,6 +264,16 @@ class SparseController:
                 self._decode_steps.clear()
             m.prepare_writes(step.row_ids, from_slots)
         m.flush()
+
+    def _dense_lengths(self, step: StepState, before: np.ndarray) -> list[int]:
+        """Per layer, the slots every row reads this step when that is the same for all rows, none is padded and no
+        row has empty slots; else -1 (see :attr:`StepState.dense_lengths`)."""
+        layers = self.layout.num_layers
+        if min(step.num_new_host) != step.num_tokens or self.manager.has_holes(step.row_ids):
+            return [-1] * layers
+        counts = before + step.num_tokens
+        uniform = (counts == counts[:1]).all(axis=0)
+        return [int(c) if u else -1 for c, u in zip(counts[0], uniform)]
 
     def _end(self, step: StepState) -> None:
         self.runtime.commit_step(self.manager, step)
@@ -352,8 +379,14 @@ class SparseController:
         step = self._decode_step(rows, batch)
         step.positions.copy_(positions)
         self._begin(step)
-        fn = self._compiled_decode if self._compiled_decode is not None else self._decode_eager
-        logits = fn(inner, step, input_ids, step.positions)
+        if self._compiled_decode is None:
+            logits = self._decode_eager(inner, step, input_ids, step.positions)
+        elif (key := (len(rows), self.manager.num_pages, self.manager.max_pages_per_seq)) not in self._compiled_shapes:
+            with compile_notice(f"the decode step for batch {len(rows)}"):
+                logits = self._compiled_decode(inner, step, input_ids, step.positions)
+            self._compiled_shapes.add(key)
+        else:
+            logits = self._compiled_decode(inner, step, input_ids, step.positions)
         self._end(step)
         return logits[:batch]
 
@@ -394,6 +427,12 @@ class SparseController:
             step.num_new.copy_(real.long(), non_blocking=True)
             step.new_offsets.copy_(torch.where(real, 0, -1)[:, None], non_blocking=True)
         return step
+
+    def install_decode_step(self, step_fn: Callable) -> None:
+        """Run decode steps with ``step_fn(inner, step, input_ids, positions) -> logits`` (forward and
+        ``finish_step`` in one unit, like the compiled step): an exported artifact's decode program. Batches are then
+        padded to the serving engine's CUDA-graph sizes, as with a compiled step."""
+        self._compiled_decode = step_fn
 
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""

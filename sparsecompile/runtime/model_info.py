@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .distributed import SINGLE, TPGroup
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -11,9 +13,12 @@ class ModelInfo:
 
     Attributes:
         model_type: ``config.model_type`` of the text model.
-        num_layers, num_q_heads, num_kv_heads, head_dim: attention geometry (``num_q_heads % num_kv_heads == 0``).
+        num_layers, num_q_heads, num_kv_heads, head_dim: attention geometry (``num_q_heads % num_kv_heads == 0``);
+            under tensor parallelism the heads *this rank* holds (the model's divided by ``tp.size``).
         attention_paths: qualified names of the attention modules, in layer order.
         max_position_embeddings: the model's maximum length, or None if unknown.
+        tp: the ranks the heads are split over (:data:`~sparsecompile.runtime.distributed.SINGLE`: none); a method
+            whose decision reduces over all heads combines its partial result with ``tp.all_reduce``.
     """
 
     model_type: str
@@ -23,3 +28,4 @@ class ModelInfo:
     head_dim: int
     attention_paths: tuple[str, ...]
     max_position_embeddings: int | None
+    tp: TPGroup = SINGLE

@@ -42,6 +42,7 @@ class SharedPages:
     def _init_sharing(self) -> None:
         self._shared_rows: set[int] = set()  # rows that may hold pages with a reference count above one
         self._copies: list[tuple[int, int]] = []  # (source page, destination page), run by flush()
+        self._holes: set[int] = set()  # rows with empty slots (position -1) inside their used slots
 
     def fork_sequence(self, row: int) -> int:
         """A new row holding the same pages as ``row`` (shared; each gets one more reference) and the same slot
@@ -73,6 +74,9 @@ class SharedPages:
         self._host_lengths[row] = tokens
         self._shared_rows.add(row)
         self._dirty_rows.add(row)
+
+    def has_holes(self, rows: list[int]) -> bool:
+        return bool(self._holes) and not self._holes.isdisjoint(rows)
 
     def has_shared_rows(self, rows: list[int]) -> bool:
         return bool(self._shared_rows) and not self._shared_rows.isdisjoint(rows)
@@ -123,8 +127,7 @@ class SharedPages:
             return
         pairs = to_device(np.array(self._copies, dtype=np.int64), self.layout.device)
         src, dst = pairs[:, 0], pairs[:, 1]
-        for pool in (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values(),
-                     *self.page_metadata.values()):
+        for pool in self._page_tensors():  # K/V in the manager's storage format, positions, metadata
             pool.index_copy_(0, dst, pool.index_select(0, src))
         self._copies.clear()
 

@@ -11,7 +11,7 @@ from .cache_manager import CacheManager
 class LayerStats:
     layer: int
     resident_tokens: int  # summed over sequences and KV heads
-    resident_bytes: int  # resident_tokens x head_dim x 2 (K and V) x dtype size
+    resident_bytes: int  # K/V bytes: resident_tokens x head_dim x 2 x dtype size, or KIVI's codes, scales, residual
     allocated_pages: int
     tokens_read: int | None = None  # slots the last decode step read (dynamic-selection methods)
 
@@ -61,7 +61,8 @@ def collect(manager: CacheManager, rows: list[int], method: str, tokens_read: di
         pages = sum(len(manager.pages_of(row, layer)) for row in rows)
         pages_in_use += pages
         read = None if tokens_read is None else tokens_read.get(layer)
-        stats.layers.append(LayerStats(layer, tokens, tokens * layout.bytes_per_slot_head, pages, read))
+        kv_bytes = sum(manager.resident_bytes(row, layer) for row in rows)  # the storage format's exact bytes
+        stats.layers.append(LayerStats(layer, tokens, kv_bytes, pages, read))
     per_page = sum(t[0].numel() * t.element_size() for t in (*manager.slot_metadata.values(),
                                                             *manager.page_metadata.values()))
     stats.metadata_bytes = pages_in_use * per_page

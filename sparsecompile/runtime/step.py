@@ -41,6 +41,9 @@ class StepState:
     num_new_host: list[int]
     prompt_tokens: list[tuple[int, list[int]]] | None = None
     scorer: Any = None
+    #: prefill: per layer, the slot count every row reads when the host vouches the view is dense (all rows equal, no
+    #: padding, no empty slot), else -1; attention kernels take a sync-free fast path on it (set by the controller)
+    dense_lengths: list[int] | None = None
 
     @property
     def is_last_chunk(self) -> bool:

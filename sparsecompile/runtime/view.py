@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,14 +19,17 @@ class AttentionView:
             ids when ``block_size == 1``.
         lengths: ``[batch, kv_heads]`` int32 number of slots read (``<= entries * block_size``).
         block_size: slots covered by one entry of ``index``.
+        quant: quantized storage read in place (a KIVI decode view, ``runtime/kivi.py``: ``k_pool / v_pool`` are
+            None and ``quant.decode_attention`` attends); None for full-precision views.
     """
 
-    k_pool: torch.Tensor
-    v_pool: torch.Tensor
+    k_pool: torch.Tensor | None
+    v_pool: torch.Tensor | None
     pos_pool: torch.Tensor
     index: torch.Tensor
     lengths: torch.Tensor
     block_size: int
+    quant: Any = None
 
 
 @dataclass

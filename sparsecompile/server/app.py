@@ -1,9 +1,11 @@
 """The OpenAI-compatible FastAPI application: completions, chat completions, models, health, metrics.
 
 Every error is answered as OpenAI does, ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx
-status, and the server keeps serving. A streaming request is aborted in the engine as soon as its client goes
-away (Starlette cancels the body iterator on disconnect); a non-streaming one is raced against the client's
-disconnect for the same reason.
+status, and the server keeps serving. Before a handler runs, :class:`~sparsecompile.server.guard.RequestGuard`
+checks the Host header, the API key and the body's size and arrival time; the handler then parses and tokenizes
+on the :class:`~sparsecompile.server.preprocess.Preprocessor`'s thread and hands the engine token ids only.
+A streaming request is aborted in the engine as soon as its client goes away (Starlette cancels the body iterator
+on disconnect); a non-streaming one is raced against the client's disconnect for the same reason.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,10 +25,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from ..config import ServerConfig
 from ..serving.interface import Engine
-from ..serving.outputs import RequestOutput, RequestRejected, SamplingParams
+from ..serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .errors import APIError, error_body, validation_message
+from .guard import RequestGuard, default_allowed_hosts
+from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_field
 from .metrics import ServerMetrics
+from .preprocess import Preprocessor, load_chat_template
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -37,57 +45,20 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     UsageInfo,
 )
 from .prune_routes import add_prune_routes
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                503: "service_unavailable", 500: "internal_server_error"}
-
-
-class APIError(Exception):
-    """An error answered to the client with ``status`` and an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.error_type = error_type or _ERROR_TYPES.get(status, "invalid_request_error")
+API_KEY_ENV = "SPARSECOMPILE_API_KEY"
 
 
 def _error_response(status: int, message: str, param: str | None = None, error_type: str | None = None,
-                    metrics: ServerMetrics | None = None) -> JSONResponse:
+                    metrics: ServerMetrics | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.requests_rejected.labels(status=str(status)).inc()
-    body = ErrorResponse(error=ErrorInfo(message=message, param=param, code=status,
-                                         type=error_type or _ERROR_TYPES.get(status, "invalid_request_error")))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per problem, e.g. ``max_tokens: Input should be greater than or equal to 1``."""
-    parts, params = [], []
-    for problem in err.errors():
-        loc = [str(p) for p in problem.get("loc", ()) if p != "body"]
-        kind = problem.get("type", "")
-        if kind == "json_invalid":
-            detail = problem.get("ctx", {}).get("error", "")
-            parts.append(f"request body is not valid JSON ({detail}); send a JSON object")
-            continue
-        if kind == "extra_forbidden":
-            parts.append(f"unknown field {'.'.join(loc)!r}; remove it (see the OpenAI API reference for the "
-                         "supported fields)")
-        else:
-            msg = str(problem.get("msg", "invalid value")).removeprefix("Value error, ")
-            parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
-        if loc:
-            params.append(".".join(loc))
-    return "; ".join(parts) or "invalid request", (params[0] if params else None)
+    return JSONResponse(error_body(status, message, param, error_type), status_code=status, headers=headers)
 
 
 class _AbortingStreamingResponse(StreamingResponse):
@@ -110,22 +81,42 @@ def _sse(payload: Any) -> str:
 
 
 def _usage(output: RequestOutput) -> UsageInfo:
-    completion = len(output.outputs[0].token_ids) if output.outputs else 0
-    return UsageInfo.of(len(output.prompt_token_ids), completion)
+    return UsageInfo.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
 
 
-def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
-    """Build the app over ``engine`` (any :class:`~sparsecompile.serving.Engine`, e.g. an ``LLMEngine``);
-    ``served_model_name`` defaults to ``engine.model_name``.
+class _Deltas:
+    """Per streamed choice: what a new output adds (text, tokens and their logprobs), and whether its finish reason
+    is news (each choice's finish is sent once, though every later output repeats it)."""
 
-    The engine thread starts with the app (or with the first request) and stops when the app shuts down.
-    ``app.state.async_engine`` and ``app.state.metrics`` expose the bridge and the metrics.
+    def __init__(self) -> None:
+        self.finished: set[int] = set()
+
+    def __call__(self, completion: CompletionOutput) -> tuple[list[int], list, str | None]:
+        ids = completion.delta_token_ids
+        steps = completion.logprobs[len(completion.logprobs) - len(ids):] if completion.logprobs and ids else []
+        reason = completion.finish_reason if completion.index not in self.finished else None
+        if reason is not None:
+            self.finished.add(completion.index)
+        return ids, steps, reason
+
+
+def create_app(engine: Engine, served_model_name: str | None = None, config: ServerConfig | None = None) -> FastAPI:
+    """Build the app over ``engine`` (any :class:`~sparsecompile.serving.Engine`, e.g. an ``LLMEngine``).
+
+    ``config`` (:class:`~sparsecompile.config.ServerConfig`) sets the API key (default: ``$SPARSECOMPILE_API_KEY``),
+    the allowed Host headers, the body limit and read timeout, the chat template and the default seed; the model id
+    is ``served_model_name``, else ``config.served_model_name``, else ``engine.model_name``. The engine thread starts
+    with the app (or with the first request) and stops when the app shuts down. ``app.state.async_engine`` and
+    ``app.state.metrics`` expose the bridge and the metrics.
     """
-    model_name = served_model_name or engine.model_name
+    config = config or ServerConfig()
+    model_name = served_model_name or config.served_model_name or engine.model_name
     max_model_len = int(engine.max_model_len)
     metrics = ServerMetrics()
     bridge = AsyncEngine(engine, metrics)
     metrics.attach_engine_stats(bridge.stats)
+    pre = Preprocessor(engine.tokenizer, max_model_len, load_chat_template(config.chat_template))
+    api_key = config.api_key if config.api_key is not None else os.environ.get(API_KEY_ENV)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,18 +125,23 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(bridge.shutdown)
+            pre.close()
 
     app = FastAPI(title="sparsecompile", lifespan=lifespan)
+    app.add_middleware(RequestGuard, allowed_hosts=config.allowed_hosts or default_allowed_hosts(config.host),
+                       api_key=api_key or None, max_body=config.max_request_bytes, read_timeout=config.read_timeout,
+                       on_reject=lambda status: metrics.requests_rejected.labels(status=str(status)).inc())
     app.state.async_engine = bridge
     app.state.metrics = metrics
+    app.state.config = config
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return _error_response(err.status, err.message, err.param, err.error_type, metrics)
+        return _error_response(err.status, err.message, err.param, err.error_type, metrics, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(err)
+        message, param = validation_message(list(err.errors()))
         return _error_response(400, message, param, metrics=metrics)
 
     @app.exception_handler(StarletteHTTPException)
@@ -165,7 +161,13 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {model_name!r} "
                                 "(see GET /v1/models)", param="model", error_type="model_not_found")
 
-    async def admit(request_id: str, prompt: str | list[int], params: SamplingParams,
+    def sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens)
+        except RequestRejected as err:
+            raise APIError(400, str(err)) from None
+
+    async def admit(request_id: str, prompt: list[int], params: SamplingParams,
                     chain_id: str | None = None) -> RequestStream:
         try:
             return await bridge.add_request(request_id, prompt, params, chain_id=chain_id)
@@ -184,10 +186,16 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         final = await _final_unless_disconnected(request, stream)
         return Response(status_code=499) if final is None else JSONResponse(build(final).model_dump())
 
+    def token_text(token: int) -> str:
+        tokenizer = engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
     @app.get("/health")
     async def health() -> Response:
         if bridge.error is not None:
             return _error_response(503, f"the engine stopped after an error: {bridge.error!r}")
+        if bridge.draining:
+            return _error_response(503, "the server is shutting down")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -199,85 +207,119 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=max_model_len)])
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await pre.parse(await request.body(), request.headers.get("content-type"), CompletionRequest)
         check_model(body.model)
-        params = _sampling(body, body.max_tokens or 16)
+        prompt_ids = await pre.prompt_ids(body.prompt)
+        max_tokens = pre.max_tokens(len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16)
+        params = sampling(body, max_tokens)
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else await pre.decode(prompt_ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await admit(request_id, body.prompt, params, body.chain_id)
+        stream = await admit(request_id, prompt_ids, params, body.chain_id)
         created = int(time.time())
 
+        def echoed(output: RequestOutput) -> tuple[list[int], list]:
+            """The prompt's tokens and logprob dicts, as echo puts them before a choice's own."""
+            return list(prompt_ids), list(output.prompt_logprobs or [None] * len(prompt_ids))
+
+        def choice(output: RequestOutput, c: CompletionOutput, text: str, ids: list[int], steps: list,
+                   reason: str | None, offset: int = 0, final: bool = False,
+                   prompt_logprobs: Any = None) -> CompletionChoice:
+            logprobs = None
+            if body.logprobs is not None:
+                if body.echo and final:
+                    prompt, prompt_steps = echoed(output)
+                    ids, steps = prompt + ids, prompt_steps + steps
+                logprobs = completion_logprobs(ids, steps, token_text, offset)
+            return CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=reason,
+                                    stop_reason=c.stop_reason if reason is not None else None,
+                                    prompt_logprobs=prompt_logprobs)
+
         async def sse_body(outputs: RequestStream) -> AsyncIterator[str]:
-            def chunk(text: str, reason: str | None, usage: UsageInfo | None = None,
-                      choices: bool = True) -> CompletionResponse:
-                choice = [CompletionChoice(text=text, finish_reason=reason)] if choices else []
-                return CompletionResponse(id=request_id, created=created, model=model_name, choices=choice,
+            def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+                return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                           usage=usage, chain_id=body.chain_id)
 
-            async for item in _guarded(outputs):
-                if isinstance(item, str):
-                    yield item
+            deltas, offsets, started = _Deltas(), {}, set()
+            async for output in _guarded(outputs):
+                if isinstance(output, str):
+                    yield output
                     return
-                text, reason, output = item
-                if text or output.finished:
-                    yield _sse(chunk(text, reason))
+                for c in output.outputs:
+                    ids, steps, reason = deltas(c)
+                    text = c.delta_text
+                    if body.echo and c.index not in started:  # the prompt opens each choice's stream
+                        prompt, prompt_steps = echoed(output)
+                        text, ids, steps = echo + text, prompt + ids, prompt_steps + steps
+                    started.add(c.index)
+                    if not (text or reason or (body.logprobs is not None and ids)):
+                        continue
+                    item = choice(output, c, text, ids, steps, reason, offsets.get(c.index, 0))
+                    if item.logprobs is not None and item.logprobs.tokens:
+                        offsets[c.index] = item.logprobs.text_offset[-1] + len(item.logprobs.tokens[-1])
+                    yield _sse(chunk([item]))
                 if output.finished and body.include_usage:
-                    yield _sse(chunk("", None, _usage(output), choices=False))
+                    yield _sse(chunk([], _usage(output)))
             yield "data: [DONE]\n\n"
 
         def build(final: RequestOutput) -> CompletionResponse:
-            completion = final.outputs[0]
+            prompt_lp = prompt_logprobs_field(final.prompt_logprobs) if body.prompt_logprobs is not None else None
+            choices = [choice(final, c, echo + c.text, c.token_ids, c.logprobs or [], c.finish_reason, final=True,
+                              prompt_logprobs=prompt_lp) for c in final.outputs]
             return CompletionResponse(id=request_id, created=created, model=model_name, usage=_usage(final),
-                                      chain_id=body.chain_id, choices=[CompletionChoice(text=completion.text,
-                                                                finish_reason=completion.finish_reason,
-                                                                stop_reason=completion.stop_reason)])
+                                      chain_id=body.chain_id, choices=choices)
 
         return await respond(request, stream, body.stream, sse_body, build)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await pre.parse(await request.body(), request.headers.get("content-type"), ChatCompletionRequest)
         check_model(body.model)
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            prompt = await bridge.run_on_engine_thread(lambda e: e.chat_prompt_ids(messages))
-        except EngineDeadError as err:
-            raise APIError(503, str(err)) from None
-        except Exception as err:  # noqa: BLE001 - the template refused these messages (e.g. role order)
-            raise APIError(400, f"the model's chat template cannot render these messages: {err}",
-                           param="messages") from None
-        # Without a limit the engine stops at the context length (it caps max_tokens at max_model_len - prompt).
-        params = _sampling(body, body.token_limit or max_model_len)
+        prompt_ids = await pre.chat_ids([m.as_template_input() for m in body.messages])
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = sampling(body, pre.max_tokens(len(prompt_ids), body.token_limit, param))
+        num_top = body.top_logprobs or 0
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await admit(request_id, prompt, params, body.chain_id)
+        stream = await admit(request_id, prompt_ids, params, body.chain_id)
         created = int(time.time())
 
+        def logprobs(ids: list[int], steps: list) -> Any:
+            return chat_logprobs(ids, steps, num_top, token_text) if body.logprobs else None
+
         async def sse_body(outputs: RequestStream) -> AsyncIterator[str]:
-            def chunk(delta: DeltaMessage | None, reason: str | None = None,
-                      usage: UsageInfo | None = None) -> ChatCompletionChunk:
-                choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=reason)]
+            def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
                                            usage=usage, chain_id=body.chain_id)
 
-            yield _sse(chunk(DeltaMessage(role="assistant", content="")))
-            async for item in _guarded(outputs):
-                if isinstance(item, str):
-                    yield item
+            for index in range(params.n):
+                yield _sse(chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
+            deltas = _Deltas()
+            async for output in _guarded(outputs):
+                if isinstance(output, str):
+                    yield output
                     return
-                text, reason, output = item
-                if text:
-                    yield _sse(chunk(DeltaMessage(content=text)))
-                if output.finished:
-                    yield _sse(chunk(DeltaMessage(), reason))
-                    if body.include_usage:
-                        yield _sse(chunk(None, usage=_usage(output)))
+                for c in output.outputs:
+                    ids, steps, reason = deltas(c)
+                    if c.delta_text or (body.logprobs and ids):
+                        yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
+                                                          logprobs=logprobs(ids, steps))]))
+                    if reason is not None:
+                        yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
+                                                          stop_reason=c.stop_reason)]))
+                if output.finished and body.include_usage:
+                    yield _sse(chunk([], _usage(output)))
             yield "data: [DONE]\n\n"
 
         def build(final: RequestOutput) -> ChatCompletionResponse:
-            completion = final.outputs[0]
+            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                  logprobs=logprobs(c.token_ids, c.logprobs or [])) for c in final.outputs]
             return ChatCompletionResponse(id=request_id, created=created, model=model_name, usage=_usage(final),
-                                          chain_id=body.chain_id,
-                                          choices=[ChatChoice(message=AssistantMessage(content=completion.text),
-                                                              finish_reason=completion.finish_reason,
-                                                              stop_reason=completion.stop_reason)])
+                                          chain_id=body.chain_id, choices=choices,
+                                          prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs)
+                                          if body.prompt_logprobs is not None else None)
 
         return await respond(request, stream, body.stream, sse_body, build)
 
@@ -285,24 +327,14 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     return app
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-    try:
-        return body.sampling_params(max_tokens)
-    except RequestRejected as err:
-        raise APIError(400, str(err)) from None
-
-
-async def _guarded(stream: RequestStream) -> AsyncIterator[tuple[str, str | None, RequestOutput] | str]:
-    """Per output of the stream ``(delta text, finish reason, output)``; an engine failure mid-stream becomes one SSE
-    error event (a str) and the end."""
+async def _guarded(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
+    """The outputs of the stream; an engine failure (or a shutdown) mid-stream becomes one SSE error event and
+    ``data: [DONE]`` (a str) and the end."""
     try:
         async for output in stream:
-            completion = output.outputs[0] if output.outputs else None
-            text = completion.delta_text if completion else ""
-            yield text, (completion.finish_reason if completion else "abort"), output
+            yield output
     except EngineDeadError as err:
-        body = ErrorResponse(error=ErrorInfo(message=str(err), type=_ERROR_TYPES[503], code=503))
-        yield _sse(body) + "data: [DONE]\n\n"
+        yield _sse(error_body(503, str(err))) + "data: [DONE]\n\n"
     finally:
         stream.abort()
 
@@ -341,12 +373,3 @@ async def _first_of(result: Awaitable[RequestOutput], cancel_if: Awaitable[None]
         return task.result()
     except EngineDeadError as err:
         raise APIError(503, str(err)) from None
-
-
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          log_level: str = "info") -> None:
-    """Serve ``engine`` over HTTP with uvicorn until interrupted (Ctrl-C shuts the engine thread down)."""
-    import uvicorn
-
-    uvicorn.run(create_app(engine, served_model_name), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)

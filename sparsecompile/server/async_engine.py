@@ -8,6 +8,10 @@ loops ``engine.step()`` while there is work and sleeps on the event otherwise. E
 
 A :class:`RequestStream` (and :meth:`AsyncEngine.generate`, built on it) aborts its request when it is closed
 or cancelled before the request finished; that is how a client that disconnects frees its KV pages at once.
+
+:meth:`AsyncEngine.stats` stays current while a step runs: requests still in the inbox count as waiting, and the
+snapshot is refreshed as soon as the inbox is drained, not only after steps. :meth:`AsyncEngine.begin_shutdown`
+drains without blocking (a signal's shutdown path): new requests get :class:`EngineDeadError`, running ones end.
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ def _settle(future: asyncio.Future, result: Any = None, error: BaseException | N
 
 def _detached(output: RequestOutput) -> RequestOutput:
     """A copy of ``output`` that later engine steps cannot change (the engine may update its objects in place)."""
-    completions = [dataclasses.replace(c, token_ids=list(c.token_ids), delta_token_ids=list(c.delta_token_ids))
+    completions = [dataclasses.replace(c, token_ids=list(c.token_ids), delta_token_ids=list(c.delta_token_ids),
+                                       logprobs=None if c.logprobs is None else list(c.logprobs))
                    for c in output.outputs]
     return dataclasses.replace(output, prompt_token_ids=list(output.prompt_token_ids), outputs=completions)
 
@@ -152,6 +157,7 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = engine.stats()
+        self._queued_adds = 0  # requests sent to the engine thread and not yet in a stats snapshot
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------------------------------- asyncio side
@@ -161,9 +167,19 @@ class AsyncEngine:
         """The exception that stopped the engine thread, if one did."""
         return self._error
 
+    @property
+    def draining(self) -> bool:
+        """True once shutdown began: new requests are refused, running ones end."""
+        return self._stopping
+
     def stats(self) -> Any:
-        """The engine's ``EngineStats`` as of the last step (taken by the engine thread)."""
-        return self._stats
+        """The engine's ``EngineStats`` as of the last snapshot (taken by the engine thread after each step and each
+        inbox drain), with the requests still on their way to the engine counted as waiting."""
+        with self._lock:
+            stats, queued = self._stats, self._queued_adds
+        if queued and dataclasses.is_dataclass(stats) and hasattr(stats, "num_waiting"):
+            stats = dataclasses.replace(stats, num_waiting=stats.num_waiting + queued)
+        return stats
 
     def start(self) -> None:
         """Start the engine thread (idempotent; :meth:`add_request` starts it too)."""
@@ -214,12 +230,17 @@ class AsyncEngine:
         self._send(_Call(fn, loop, result))
         return await result
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread: abort every request (their streams raise :class:`EngineDeadError`)."""
+    def begin_shutdown(self) -> None:
+        """Start stopping without waiting: new requests get :class:`EngineDeadError` (503), and the engine thread
+        aborts every running request (their streams raise :class:`EngineDeadError`) after its current step."""
         with self._lock:
             self._stopping = True
-            thread = self._thread
         self._wakeup.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread: abort every request (their streams raise :class:`EngineDeadError`)."""
+        self.begin_shutdown()
+        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -227,6 +248,8 @@ class AsyncEngine:
         with self._lock:
             self._check_alive()
             self._inbox.append(command)
+            if isinstance(command, _Add):
+                self._queued_adds += 1
         self._wakeup.set()
 
     def _check_alive(self) -> None:
@@ -246,6 +269,12 @@ class AsyncEngine:
                     stopping = self._stopping
                 for command in commands:
                     self._handle(command)
+                adds = sum(isinstance(c, _Add) for c in commands)
+                if commands:
+                    stats = self.engine.stats()  # current before the (maybe long) next step, not after it
+                    with self._lock:
+                        self._stats = stats
+                        self._queued_adds -= adds
                 if stopping:
                     break
                 if self.engine.has_unfinished_requests():
@@ -312,7 +341,7 @@ class AsyncEngine:
             output = RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
                                    outputs=[], finished=True, metrics=RequestMetrics(arrival_time=stream.arrival))
         else:
-            completions = [dataclasses.replace(c, finish_reason="abort", stop_reason=None, delta_text="",
+            completions = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort", delta_text="",
                                                delta_token_ids=[]) for c in last.outputs]
             output = dataclasses.replace(last, outputs=completions, finished=True)
         if self._metrics is not None:
@@ -339,6 +368,7 @@ class AsyncEngine:
     def _close_all(self, error: EngineDeadError, abort_in_engine: bool) -> None:
         with self._lock:
             commands, self._inbox = self._inbox, []
+            self._queued_adds -= sum(isinstance(c, _Add) for c in commands)
         for command in commands:
             if isinstance(command, _Add):
                 _settle(command.admitted, error=error)

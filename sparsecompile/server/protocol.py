@@ -3,7 +3,9 @@
 Requests forbid unknown fields and use strict types (``"max_tokens": "5"`` is refused, not coerced), so a
 client that misspells a field or sends an unsupported one hears about it instead of being silently ignored.
 Fields are named as OpenAI names them; the extras vLLM popularised (``top_k``, ``min_p``, ``stop_token_ids``,
-``ignore_eos``) are accepted too.
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``) are accepted too. Responses carry
+logprobs in OpenAI's shapes (completions: ``tokens / token_logprobs / top_logprobs / text_offset``; chat:
+``content: [{token, logprob, bytes, top_logprobs}]``) and ``prompt_logprobs`` in vLLM's.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from ..serving.outputs import SamplingParams
+from ..serving.outputs import MAX_LOGPROBS, RequestRejected, SamplingParams
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+MAX_N = 128  # completions per request (each is a sequence in the engine; a huge n would exhaust host memory)
 
 
 class StreamOptions(BaseModel):
@@ -39,31 +42,53 @@ class _SamplingFields(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    logit_bias: dict[StrictStr, float] | None = None
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: StrictStr | None = None  # accepted and ignored, as OpenAI documents it (abuse monitoring)
     #: sparsecompile extra: the conversation this request continues (chain cache: its KV stays between turns)
     chain_id: StrictStr | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_supported(self) -> _SamplingFields:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one choice per request is supported), got {self.n}; "
-                             "send several requests to get several completions")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); send the request "
+                             "without streaming")
         return self
 
+    def _logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` for this request (each endpoint names it its own way)."""
+        return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's :class:`SamplingParams` for this request; raises ``RequestRejected`` on bad values."""
+        """The engine's :class:`SamplingParams` for this request (a request without a seed takes the
+        engine's default, ``ServingConfig.seed``);
+        raises ``RequestRejected`` on bad values."""
+        bias = None
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.isdigit():
+                    raise RequestRejected(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+                bias[int(key)] = value
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                              stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_tokens=self.min_tokens, logit_bias=bias, logprobs=self._logprobs(),
+                              prompt_logprobs=self._prompt_logprobs())
 
     @property
     def include_usage(self) -> bool:
@@ -75,7 +100,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
 
     @model_validator(mode="after")
@@ -85,11 +110,16 @@ class CompletionRequest(_SamplingFields):
                              "per request")
         if len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported; leave logprobs unset")
-        if self.echo:
-            raise ValueError("echo is not supported; leave echo false")
         return self
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` returns the prompt tokens' logprobs too (as vLLM)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TextContentPart(BaseModel):
@@ -127,13 +157,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs is not None:
-            raise ValueError("logprobs are not supported; leave logprobs and top_logprobs unset")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -154,12 +187,33 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs``: ``{token id: {logprob, rank, decoded_token}}`` per prompt token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions ``logprobs``: per token its text, logprob, the most likely tokens and text offset."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(BaseModel):
@@ -177,10 +231,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    content: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -193,6 +263,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     chain_id: str | None = None  # echoed from the request (sparsecompile extra)
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class DeltaMessage(BaseModel):
@@ -203,8 +274,9 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -4,7 +4,8 @@ Decoding a growing token list from scratch every step costs O(n^2) over a reques
 extended from a short window of recent tokens (``prefix_offset .. read_offset``), which also keeps a
 multi-byte character split across tokens out of the text until it is complete. Stop strings are matched
 on the text; the returned text ends before the first match, and a streaming client is never sent text
-that a stop string might still swallow.
+that a stop string might still swallow. Before ``min_tokens`` tokens exist nothing but ``max_tokens`` stops a
+request (as vLLM: stop tokens from ``min_tokens`` tokens on, stop strings once there are more).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class Detokenizer:
     def append(self, token: int) -> tuple[str | None, str | int | None]:
         """Add one generated token; returns ``(finish_reason, stop_reason)`` (None, None while it goes on)."""
         self.token_ids.append(token)
-        if token in self.stop_ids:
+        may_stop = len(self.token_ids) >= self.params.min_tokens
+        if may_stop and token in self.stop_ids:
             return "stop", token
-        if token in self.eos:
+        if may_stop and token in self.eos:
             return "stop", None
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset:])
@@ -44,7 +46,8 @@ class Detokenizer:
             start = len(self.text)
             self.text += full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-            for stop in self.params.stop:
+            stops = self.params.stop if len(self.token_ids) > self.params.min_tokens else ()
+            for stop in stops:
                 # Only the new text (and what a match could straddle) can hold a new match.
                 at = self.text.find(stop, max(0, start - len(stop) + 1))
                 if at >= 0:

@@ -7,6 +7,11 @@ every request past its prompt (padded to a CUDA-graph batch size when decode is 
 forward per scheduled prompt chunk, samples, applies stop conditions, and frees the rows of finished,
 aborted and preempted requests at once.
 
+A request with ``n > 1`` is one scheduled sequence until its prompt is prefilled; the prompt's last logits then
+give each of the ``n`` completions its first token (each from its own generator, see ``child_seed``), and the
+``n - 1`` siblings get rows holding the prompt's KV through :meth:`LLMEngine._fork_row` and decode on their own.
+Logprobs (``logprobs``, ``prompt_logprobs``) are computed only for the requests that ask for them.
+
 Multi-turn reuse (``reuse.py``): a request with a ``chain_id`` leaves its row idle under that id when it finishes,
 and a continuation reattaches it and prefills only its new tokens; with ``enable_prefix_caching`` (methods that keep
 every token) full prompt pages are shared between requests. Both hold pages the scheduler counts as reclaimable.
@@ -26,12 +31,24 @@ from ..models.hf_patch import patched_model
 from ..models.support import UnsupportedModelError
 from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestRejected, SamplingParams
+from .interface import ServedModel
+from .logprobs import LogprobRecorder
+from .outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    RequestRejected,
+    SampleLogprobs,
+    SamplingParams,
+    child_seed,
+)
 from .prune import Pruner, PruneResult, PruneSpec
 from .reuse import KVReuse, ReuseStats, fingerprint
-from .sampling import make_generator, sample
+from .sampling import TokenHistory, make_generator, sample
 from .scheduler import PrefillChunk, Request, Scheduler
 
+SERVING_PREFILL_CHUNK = 8192  # prompt tokens per step when prefill_chunk_size is not set (vLLM's default budget)
 _CPU_KV_MEMORY = 1 << 30  # default KV pool on CPU when kv_cache_memory is not given
 _GPU_KV_FRACTION = 0.85  # of the memory free after loading, when kv_cache_memory is not given
 
@@ -49,43 +66,66 @@ class EngineStats:
     reuse: ReuseStats = field(default_factory=ReuseStats)  # chains, prefix cache, reclaimable pages
 
 
-@dataclass
+@dataclass(eq=False)
+class _Group:
+    """One request as its caller sees it: ``n`` completions of one prompt (one sequence until the first token)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics  # shared by the sequences: prefill chunks and preemptions of all of them add up
+    seqs: list[_Live] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    aborted: bool = False
+
+    @property
+    def done(self) -> bool:
+        complete = self.aborted or len(self.seqs) == self.params.n
+        return complete and all(lv.request.finish_reason is not None for lv in self.seqs)
+
+
+@dataclass(eq=False)
 class _Live:
-    """Engine-side state of one request next to its scheduling state."""
+    """Engine-side state of one sequence (one completion of a request) next to its scheduling state."""
 
     request: Request
     detok: Detokenizer
     generator: torch.Generator | None
+    group: _Group
+    index: int = 0  # the completion's index among the request's n
+    history: TokenHistory | None = None  # for penalties and min_tokens
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
     reported: int = 0  # output tokens already reported (the rest is this step's delta)
 
 
 class LLMEngine:
     """See module docstring. Built over a model patched by ``sparsecompile.optimize()`` (``sparsecompile.LLM``
-    does both)."""
+    does both), or over any :class:`ServedModel` (an exported artifact's programs: ``sparsecompile.load``)."""
 
-    def __init__(self, model: nn.Module, tokenizer, config: ServingConfig | None = None) -> None:
-        try:
-            patched = patched_model(model)
-        except ValueError as err:
-            raise UnsupportedModelError(f"the serving engine needs a model patched by sparsecompile.optimize(): "
-                                        f"{err}") from None
+    def __init__(self, model: nn.Module | ServedModel, tokenizer, config: ServingConfig | None = None) -> None:
+        patched = PatchedServedModel(model) if isinstance(model, nn.Module) else model
         config = config or ServingConfig()
         self.config = config
         self.model, self.tokenizer, self.patched = model, tokenizer, patched
         self.controller = c = patched.controller
         self.method = c.runtime.name
-        self.model_name = config.model_name or getattr(model.config, "_name_or_path", None) or "sparsecompile"
+        self.model_name = config.model_name or patched.name or "sparsecompile"
         limit = patched.max_length or 4096
         self.max_model_len = min(config.max_model_len or limit, limit)
         max_num_seqs = config.max_num_seqs
-        chunk = c.prefill_chunk or self.max_model_len
+        chunk = c.prefill_chunk
+        if c.config.prefill_chunk_size is None:  # serving default: chunks short enough to keep running streams moving
+            chunk = min(chunk or SERVING_PREFILL_CHUNK, SERVING_PREFILL_CHUNK)
+        chunk = chunk or self.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(chunk, max_num_seqs)
         self.device = c.layout.device
-        num_pages = c.config.num_pages or self._pages_from_memory(config, max_num_seqs)
-        widest = math.ceil((self.max_model_len + 1) / c.layout.page_size)
         idle_rows = max_num_seqs if config.max_idle_chains is None else config.max_idle_chains
-        # rows: the running requests, the idle chains and the decode padding row
-        self.manager = c.build_pool(num_pages, max_num_seqs + idle_rows + 1, widest)
+        rows = max_num_seqs + idle_rows + 1  # the running requests, the idle chains and the decode padding row
+        num_pages = c.config.num_pages or self._pages_from_memory(config, max_num_seqs, rows)
+        widest = math.ceil((self.max_model_len + 1) / c.layout.page_size)
+        self.manager = c.build_pool(num_pages, rows, widest)
         self.reuse = KVReuse(c, fingerprint(c, self.model_name), prefix_caching=config.enable_prefix_caching,
                              max_idle_chains=idle_rows)
         self.scheduler = Scheduler(c.oracle, num_pages, max_num_seqs=max_num_seqs,
@@ -97,17 +137,22 @@ class LLMEngine:
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
             allow_recompiles(2 * len(self.graph_sizes) + 8)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self._live: dict[str, _Live] = {}
+        self.eos_token_ids = patched.eos_token_ids | _eos_ids(None, tokenizer)
+        self.vocab_size = patched.vocab_size
+        self._groups: dict[str, _Group] = {}  # by request id
+        self._live: dict[Request, _Live] = {}  # by scheduled sequence
+        self._logprobs = LogprobRecorder(tokenizer)
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self._default_seeds = 0  # requests seeded from config.seed so far
 
-    def _pages_from_memory(self, config: ServingConfig, max_num_seqs: int) -> int:
-        """Pages that fit the KV memory budget, capped by what ``max_num_seqs`` full-length requests could use."""
+    def _pages_from_memory(self, config: ServingConfig, max_num_seqs: int, rows: int) -> int:
+        """Pages that fit the KV memory budget once ``rows`` rows' own bytes are paid (KIVI's residual rings), capped
+        by what ``max_num_seqs`` full-length requests could use."""
         c = self.controller
         probe = c.build_pool(1, 1, 1)  # registers the method's metadata, so its bytes count per page
         per_page = probe.bytes_per_page
-        budget = kv_budget_bytes(config, self.device)
+        budget = kv_budget_bytes(config, self.device) - rows * probe.bytes_per_row
         useful = max_num_seqs * c.oracle.pages_for(c.oracle.peak_slots_per_layer(self.max_model_len, 0))
         pages = min(budget // per_page, useful)
         if pages < c.layout.num_layers:
@@ -116,50 +161,81 @@ class LLMEngine:
         return pages
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    chain_id: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    prompt_text: str | None = None, chain_id: str | None = None) -> None:
         """Queue a request; :class:`RequestRejected` (with the reason) when it can never be served.
 
+        ``prompt_text``: with token ids, the text they came from (a rendered chat), reported as the output's
+        ``prompt``. A request without a seed gets the next default seed when ``ServingConfig.seed`` is set.
         ``chain_id``: the conversation this request belongs to. If its prompt extends the processed tokens of the
         idle chain under that id, the chain's KV and method state are reattached and only the new tokens are
         prefilled; when it finishes (stop / length), its state stays idle under that id for the next turn.
         """
         params = params or SamplingParams()
-        if request_id in self._live:
+        if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if chain_id is not None and (not isinstance(chain_id, str) or not chain_id):
             raise RequestRejected(f"chain_id must be a non-empty string, got {chain_id!r}")
+        if chain_id is not None and params.n > 1:
+            raise RequestRejected("chain_id continues one conversation: it needs n=1 (fork the chain with fork_chain "
+                                  "to branch it)")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer(prompt).input_ids
         else:
-            text, ids = None, list(prompt)
-        vocab = self.model.get_input_embeddings().num_embeddings
+            text, ids = prompt_text, list(prompt)
+        vocab = self.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
-        request = Request(request_id, ids, params, RequestMetrics(time.monotonic(), num_prompt_tokens=len(ids)),
-                          prompt=text, chain_id=chain_id)
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise RequestRejected(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.seed is None and self.config.seed is not None:
+            params = replace(params, seed=self.config.seed + self._default_seeds)
+            self._default_seeds += 1
+        metrics = RequestMetrics(time.monotonic(), num_prompt_tokens=len(ids))
+        request = Request(request_id, ids, params, metrics, prompt=text, chain_id=chain_id)
         self.scheduler.add(request)
-        self._live[request_id] = _Live(request, Detokenizer(self.tokenizer, params, self.eos_token_ids),
-                                       make_generator(params.seed, self.device))
+        group = _Group(request_id, text, ids, params, metrics)
+        self._groups[request_id] = group
+        self._add_seq(group, request)
+
+    def _add_seq(self, group: _Group, request: Request) -> _Live:
+        """Track ``request`` as completion ``len(group.seqs)`` of ``group``."""
+        params, index = group.params, len(group.seqs)
+        live = _Live(request, Detokenizer(self.tokenizer, params, self.eos_token_ids),
+                     make_generator(child_seed(params.seed, index), self.device), group, index)
+        if params.processes_logits:
+            live.history = TokenHistory(request.prompt_ids, request.output_ids)
+        if params.logprobs is not None:
+            live.logprobs, live.cumulative_logprob = [], 0.0
+        group.seqs.append(live)
+        self._live[request] = live
+        return live
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template, the assistant's turn opened.
+        """Token ids of a conversation rendered by the tokenizer's chat template, the assistant's turn opened."""
+        return self.chat_prompt(messages)[1]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """A conversation rendered by the tokenizer's chat template (the assistant's turn opened), and its ids.
 
         Tokenized without adding special tokens again: the template already holds the ones the model expects.
         """
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestRejected("the tokenizer has no chat template; send a raw prompt (/v1/completions) instead")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its pages (unknown or finished ids are ignored)."""
-        live = self._live.get(request_id)
-        if live is None:
+        group = self._groups.get(request_id)
+        if group is None:
             return
-        self._finish(live, "abort", None)
-        self._aborted.append(self._output(live))
+        group.aborted = True
+        for live in list(group.seqs):
+            if live.request.finish_reason is None:
+                self._finish(live, "abort", None)
+        self._aborted.append(self._output(group))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._aborted)
@@ -213,7 +289,7 @@ class LLMEngine:
             changed += self._run_prefill(plan.prefill)
         if plan.decode or plan.prefill:
             self._counters["steps"] += 1
-        outputs += [self._output(live) for live in changed]
+        outputs += self._outputs(changed)
         return outputs
 
     def _run_decode(self, requests: list[Request]) -> list[_Live]:
@@ -226,7 +302,7 @@ class LLMEngine:
         logits = self.controller.decode(self.patched.inner, rows, ids, positions, pad_to=pad_to)
         for r in requests:
             self.scheduler.decode_done(r)
-        return self._sample([self._live[r.request_id] for r in requests], logits[:, -1])
+        return self._sample([self._live[r] for r in requests], logits[:, -1])
 
     def _run_prefill(self, chunks: list[PrefillChunk]) -> list[_Live]:
         """Every prompt chunk of the step, batched: one forward per group of similar lengths (left-padded), each
@@ -253,11 +329,15 @@ class LLMEngine:
             ids[i, width - n:] = torch.tensor(c.request.prefill_ids[c.start:c.stop])
             positions[i, width - n:] = torch.arange(c.start, c.stop)
             valid[i, width - n:] = True
+        lives = [self._live[c.request] for c in group]
+        every_position = any(self._wants_prompt_logprobs(live) for live in lives)  # else: last position only
         logits = self.controller.prefill(self.patched.inner, [c.request.row for c in group],
                                          ids.to(self.device, non_blocking=True), None,
-                                         positions.to(self.device, non_blocking=True), valid, 1,
-                                         final=[c.final for c in group])
-        for c in group:
+                                         positions.to(self.device, non_blocking=True), valid,
+                                         0 if every_position else 1, final=[c.final for c in group])
+        for i, (c, live) in enumerate(zip(group, lives)):
+            if every_position and self._wants_prompt_logprobs(live):
+                self._record_prompt_logprobs(live.group, c.start, logits[i, width - (c.stop - c.start):])
             r = c.request
             self._counters["prompt_tokens"] += c.stop - c.start
             # once a prompt ends, its reservations follow the row's measured slots (exact for resumed rows and KVzip)
@@ -267,49 +347,129 @@ class LLMEngine:
         done = [i for i, c in enumerate(group) if c.final]
         if not done:
             return []
-        return self._sample([self._live[group[i].request.request_id] for i in done], logits[done, -1])
+        return self._sample([lives[i] for i in done], logits[done, -1])
 
     def _sample(self, lives: list[_Live], logits: torch.Tensor) -> list[_Live]:
-        """Sample one token per request from ``logits [batch, vocab]``; apply stop conditions."""
-        tokens = sample(logits, [lv.request.params for lv in lives], [lv.generator for lv in lives]).tolist()
+        """Sample one token per sequence from ``logits [batch, vocab]``; apply stop conditions.
+
+        A request with ``n > 1`` at its first token samples all ``n`` first tokens from its one row of logits, then
+        its siblings are forked before any sequence that finished frees its row.
+        """
+        lives, logits, children = self._expand_forks(lives, logits)
+        token_t = sample(logits, [lv.group.params for lv in lives], [lv.generator for lv in lives],
+                         [lv.history for lv in lives], self.eos_token_ids)
+        tokens = token_t.tolist()
+        # None unless a sequence asks: then no device work and no host sync beyond the tokens'
+        logprobs = self._logprobs.sampled(logits, tokens, [lv.group.params.logprobs for lv in lives])
         now = time.monotonic()
-        for live, token in zip(lives, tokens):
+        finished = []
+        for i, (live, token) in enumerate(zip(lives, tokens)):
             r = live.request
             r.output_ids.append(token)
-            r.metrics.num_generated_tokens = len(r.output_ids)
+            r.metrics.num_generated_tokens += 1
             r.metrics.first_token_time = r.metrics.first_token_time or now
             self._counters["generation_tokens"] += 1
+            if logprobs is not None and live.logprobs is not None:
+                live.logprobs.append(logprobs[i])
+                live.cumulative_logprob += logprobs[i][token].logprob
             reason, stop = live.detok.append(token)
             if reason is None and r.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason is not None:
-                self._finish(live, reason, stop)
+                finished.append((live, reason, stop))
+        done = {id(lv) for lv, _, _ in finished}
+        for child, parent_row in children:
+            if id(child) not in done and self.scheduler.add_fork(child.request):
+                child.request.row = self._fork_row(parent_row, child.request.prefill_ids)
+        for live, reason, stop in finished:
+            self._finish(live, reason, stop)
         return lives
 
+    # ------------------------------------------------------------------ n > 1: forks
+    def _expand_forks(self, lives: list[_Live],
+                      logits: torch.Tensor) -> tuple[list[_Live], torch.Tensor, list[tuple[_Live, int]]]:
+        """Add the ``n - 1`` siblings of each request sampling its first token, each with a copy of its logits row.
+
+        Returns the sequences to sample, their logits and ``(sibling, row to fork)`` pairs.
+        """
+        if all(lv.group.params.n == 1 or len(lv.group.seqs) > 1 for lv in lives):
+            return lives, logits, []
+        expanded, rows, children = [], [], []
+        for i, live in enumerate(lives):
+            expanded.append(live)
+            rows.append(i)
+            group = live.group
+            if group.params.n == 1 or len(group.seqs) > 1:
+                continue
+            parent = live.request
+            for _ in range(group.params.n - 1):
+                request = Request(f"{group.request_id}#{len(group.seqs)}", parent.prompt_ids, group.params,
+                                  group.metrics, prompt=parent.prompt)
+                child = self._add_seq(group, request)
+                expanded.append(child)
+                rows.append(i)
+                children.append((child, parent.row))
+        return expanded, logits[torch.tensor(rows, device=logits.device)], children
+
+    def _fork_row(self, row: int, tokens: list[int]) -> int:
+        """A new row holding what ``row`` holds (the prompt it just finished prefilling): its pages shared
+        copy-on-write and the method's per-row state copied (``SparseController.fork_rows``), so ``n`` completions
+        of one prompt prefill it once. The scheduler reserved each sibling's pages as if it held its own copy
+        (``Scheduler.add_fork``): conservative, never short."""
+        return self.controller.fork_rows([row])[0]
+
+    # ------------------------------------------------------------------ prompt logprobs
+    def _wants_prompt_logprobs(self, live: _Live) -> bool:
+        """Whether this chunk's logits are needed at every position: the request asked for prompt logprobs and this
+        is its first pass over the prompt (not a sibling's or a preempted request's recomputation)."""
+        return live.group.params.prompt_logprobs is not None and live.index == 0 and not live.request.output_ids
+
+    def _record_prompt_logprobs(self, group: _Group, start: int, logits: torch.Tensor) -> None:
+        group.prompt_logprobs = self._logprobs.extend_prompt(group.prompt_logprobs or [], group.prompt_ids, start,
+                                                             logits, group.params.prompt_logprobs)
+
+    # ------------------------------------------------------------------ finishing and outputs
     def _finish(self, live: _Live, reason: str, stop: str | int | None) -> None:
         r = live.request
         self.scheduler.finish(r, reason, stop)
         self.reuse.finish(r, keep=reason in ("stop", "length"))  # parks a chain, caches blocks, frees the row
         r.metrics.finished_time = time.monotonic()
+        del self._live[r]
+        if live.group.done:
+            self._groups.pop(live.group.request_id, None)
         if self.pruner.has_blocked:  # a prune waiting for this state runs now that it is idle
             self.pruner.retry()
-        del self._live[r.request_id]
 
     def _release(self, requests: list[Request]) -> None:
         """Free the rows of preempted requests (their full blocks stay cached; a reattached chain is gone)."""
         for r in requests:
             self.reuse.preempted(r)
 
-    def _output(self, live: _Live) -> RequestOutput:
-        r, d = live.request, live.detok
-        finished = r.finish_reason is not None
-        new_ids = r.output_ids[live.reported:]
-        live.reported = len(r.output_ids)
-        completion = CompletionOutput(0, d.text, list(r.output_ids), r.finish_reason, r.stop_reason,
-                                      d.delta(finished), new_ids)
-        # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], finished, replace(r.metrics),
-                             chain_id=r.chain_id)
+    def _outputs(self, changed: list[_Live]) -> list[RequestOutput]:
+        """One output per request with a changed sequence (in order of first change)."""
+        groups = list({id(lv.group): lv.group for lv in changed}.values())
+        return [self._output(group) for group in groups]
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for index in range(group.params.n):
+            if index >= len(group.seqs):  # aborted before its first token: nothing was sampled
+                completions.append(CompletionOutput(index, finish_reason="abort" if group.aborted else None))
+                continue
+            live = group.seqs[index]
+            r, d = live.request, live.detok
+            new_ids = r.output_ids[live.reported:]
+            live.reported = len(r.output_ids)
+            logprobs = None if live.logprobs is None else list(live.logprobs)
+            completions.append(CompletionOutput(index, d.text, list(r.output_ids), r.finish_reason, r.stop_reason,
+                                                d.delta(r.finish_reason is not None), new_ids, logprobs,
+                                                live.cumulative_logprob))
+        finished = all(c.finish_reason is not None for c in completions)
+        # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it;
+        # prompt_logprobs is complete (and no longer changes) once a request has an output
+        return RequestOutput(group.request_id, group.prompt, group.prompt_ids, completions, finished,
+                             replace(group.metrics), group.prompt_logprobs,
+                             chain_id=group.seqs[0].request.chain_id if group.seqs else None)
 
 
 def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[PrefillChunk]]:
@@ -323,6 +483,23 @@ def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[Prefil
         else:
             groups.append([chunk])
     return groups
+
+
+class PatchedServedModel:
+    """The :class:`ServedModel` of an HF model patched by ``sparsecompile.optimize()``: its patched forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        try:
+            patched = patched_model(model)
+        except ValueError as err:
+            raise UnsupportedModelError(f"the serving engine needs a model patched by sparsecompile.optimize(): "
+                                        f"{err}") from None
+        self.controller = patched.controller
+        self.max_length = patched.max_length
+        self.inner = patched.inner
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.name = getattr(model.config, "_name_or_path", None) or None
+        self.eos_token_ids = _eos_ids(model, None)
 
 
 def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
@@ -349,7 +526,7 @@ def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
     return int(mem)
 
 
-def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
+def _eos_ids(model: nn.Module | None, tokenizer) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
         value = getattr(source, "eos_token_id", None)

@@ -10,7 +10,12 @@ from .outputs import RequestOutput, SamplingParams
 
 @runtime_checkable
 class Engine(Protocol):
-    """A synchronous, single-threaded serving engine: requests in, :class:`RequestOutput` deltas out."""
+    """A synchronous, single-threaded serving engine: requests in, :class:`RequestOutput` deltas out.
+
+    The server tokenizes on threads of its own with ``tokenizer`` (None: token-id prompts only; decoding is all it
+    does besides encoding) and passes ``add_request`` token ids; an output holds one ``CompletionOutput`` per
+    completion (``SamplingParams.n``).
+    """
 
     model_name: str
     method: str
@@ -35,3 +40,21 @@ class Engine(Protocol):
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered with the tokenizer's chat template."""
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """What :class:`~sparsecompile.serving.engine.LLMEngine` drives: a forward over the KV core, and model facts.
+
+    ``inner(input_ids, inputs_embeds, position_ids, logits_to_keep) -> logits`` runs one forward with the
+    controller's step active (the patched HF forward, or an exported artifact's prefill program); decode steps go
+    through ``controller.decode``, which may use a step installed with ``install_decode_step``.
+    """
+
+    controller: Any  # runtime.controller.SparseController
+    max_length: int | None
+    vocab_size: int
+    name: str | None
+    eos_token_ids: set[int]
+
+    def inner(self, input_ids: Any, inputs_embeds: Any, position_ids: Any, logits_to_keep: int) -> Any: ...

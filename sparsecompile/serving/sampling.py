@@ -1,30 +1,64 @@
-"""Token sampling for the serving runtime: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling for the serving runtime: penalties, logit bias, min-tokens, greedy, temperature, top-k,
+top-p, min-p, per-request seeds, and the log-probabilities requests ask for.
 
-One call samples a whole batch; every row carries its own :class:`SamplingParams`. Filters run in fp32
-in this order (vLLM's V0 sampler and HF ``generate`` apply them so; vLLM's V1 sampler moves min-p
-before top-k / top-p, which only matters when min-p and top-p are combined):
+One call samples a whole batch; every row carries its own :class:`SamplingParams`. Everything runs in fp32
+in this order (vLLM's order; vLLM's V1 sampler moves min-p before top-k / top-p, which only matters when
+min-p and top-p are combined):
 
-1. temperature: ``logits / temperature`` (0 = greedy: ``argmax`` of the fp32 logits, no randomness);
+0. logits processing, only for rows that ask for it (:func:`process_logits`): ``min_tokens`` masks EOS and
+   ``stop_token_ids`` until that many tokens exist, ``logit_bias`` adds its biases, then the penalties
+   (repetition over prompt + output tokens, frequency and presence over output tokens);
+1. temperature: ``logits / temperature`` (below ``SAMPLING_EPS``, e.g. 0, greedy: ``argmax`` of the processed
+   fp32 logits, no randomness);
 2. top-k: keep the ``top_k`` largest (0 or -1 = off);
 3. top-p: keep the smallest set of most likely tokens whose probability (after top-k) reaches ``top_p``;
-   the most likely token is always kept;
+   the most likely token is always kept (so ``top_p=1e-50`` is greedy, not empty);
 4. min-p: drop tokens whose probability is below ``min_p`` times the most likely one's;
 
 then sample from the renormalised distribution with the exponential race: ``argmax(probs / E)`` with
 ``E ~ Exponential(1)`` i.i.d. per token picks token ``i`` with probability ``probs[i] / sum(probs)``, so
 dropped tokens (probability 0) are never chosen and no explicit renormalisation is needed.
 
+A row whose probabilities are not finite (NaN or inf logits from the model, a temperature that overflows)
+falls back to the argmax of its processed logits instead of sampling from garbage.
+
 Seeds: a row with a generator draws its ``E`` from that generator only (``vocab`` numbers per step), so
 its tokens do not depend on what else is batched; rows without one share one draw from the default RNG.
+
+Log-probabilities (:func:`token_logprobs`) are computed only for the rows that ask, from the raw logits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
 from .outputs import SamplingParams
 
-__all__ = ["make_generator", "sample"]
+__all__ = ["TokenHistory", "make_generator", "process_logits", "sample", "token_logprobs"]
+
+_MAX_TEMPERATURE = 1e30  # larger temperatures (e.g. 1e300) would become inf in fp32; 1e30 is already uniform
+
+
+class TokenHistory:
+    """The tokens a row's penalties and ``min_tokens`` look at: its prompt and its generated tokens.
+
+    ``output_ids`` is read at every call (the engine passes the live list it appends to). The prompt is copied to
+    the device once (``prompt_tensor``), not at every step.
+    """
+
+    __slots__ = ("prompt_ids", "output_ids", "_prompt")
+
+    def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        self.prompt_ids = prompt_ids
+        self.output_ids = output_ids
+        self._prompt: torch.Tensor | None = None
+
+    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
+        if self._prompt is None or self._prompt.device != device:
+            self._prompt = torch.tensor(list(self.prompt_ids), dtype=torch.long, device=device)
+        return self._prompt
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -80,6 +114,7 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     probs = values.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens (0 for the top token)
     drop = (before >= top_p[:, None]) & (top_p < 1)[:, None]  # rows at top_p=1 keep all (cumsum may pass 1)
+    drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in fp32
     values = values.masked_fill(drop, -torch.inf)
     return torch.empty_like(x).scatter_(-1, order, values)
 
@@ -103,8 +138,113 @@ def _exponentials(shape: torch.Size, generators: list[torch.Generator | None], d
     return q.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
+def _flat_pairs(lists: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(row index, token id)`` pairs of ragged int64 token tensors (all on one device), as two flat tensors."""
+    device = lists[0].device
+    lengths = [len(t) for t in lists]
+    rows = torch.repeat_interleave(torch.arange(len(lists), device=device), torch.tensor(lengths, device=device),
+                                   output_size=sum(lengths))  # given: no device-to-host sync for the size
+    return rows, torch.cat(lists)
+
+
+def process_logits(x: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None],
+                   eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """Apply ``min_tokens``, ``logit_bias`` and the penalties, in vLLM's order, to the rows that ask for them.
+
+    Args:
+        x: ``[batch, vocab]`` fp32 logits, modified in place and returned.
+        params: one :class:`SamplingParams` per row.
+        histories: one :class:`TokenHistory` per row (None allowed for rows with ``processes_logits`` False).
+        eos_token_ids: the model's end-of-sequence ids, masked with ``stop_token_ids`` until ``min_tokens`` (unless
+            the row sets ``ignore_eos``).
+
+    Penalties follow vLLM: a token of the prompt or the output gets ``logit / repetition_penalty`` when the logit
+    is positive and ``logit * repetition_penalty`` otherwise; then ``frequency_penalty * count`` and
+    ``presence_penalty * (count > 0)`` are subtracted, counting output tokens only.
+    """
+    vocab, device = x.shape[-1], x.device
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    for i in rows:
+        if histories[i] is None:
+            raise ValueError(f"process_logits: row {i} uses penalties, logit_bias or min_tokens and needs a "
+                             "TokenHistory")
+    # 1. min_tokens: EOS and stop tokens cannot end a completion that is still too short
+    mask_rows, mask_ids = [], []
+    for i in rows:
+        p = params[i]
+        if len(histories[i].output_ids) < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = sorted(t for t in stops if 0 <= t < vocab)
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
+    if mask_ids:
+        x[torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device)] = -torch.inf
+    # 2. logit_bias
+    bias_rows, bias_ids, biases = [], [], []
+    for i in rows:
+        for token, bias in (params[i].logit_bias or {}).items():
+            if token < vocab:
+                bias_rows.append(i)
+                bias_ids.append(token)
+                biases.append(float(bias))
+    if bias_ids:
+        x.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
+                     torch.tensor(biases, dtype=x.dtype, device=device), accumulate=True)
+    # 3. penalties over prompt + output (repetition) and output (frequency, presence) tokens
+    pen = [i for i in rows if params[i].has_penalties]
+    if pen:
+        index = torch.tensor(pen, device=device)
+        sub = x[index]
+        # Token ids >= vocab (impossible from the sampler; a prompt may hold them) land in an extra column.
+        counts = torch.zeros(len(pen), vocab + 1, dtype=x.dtype, device=device)
+        out_rows, out_ids = _flat_pairs([torch.tensor(list(histories[i].output_ids), dtype=torch.long) for i in pen])
+        if out_ids.numel():
+            out_ids = out_ids.clamp(max=vocab).to(device)
+            counts.index_put_((out_rows.to(device), out_ids), torch.ones_like(out_ids, dtype=x.dtype),
+                              accumulate=True)
+        counts = counts[:, :vocab]
+        generated = counts > 0
+        seen = torch.zeros(len(pen), vocab + 1, dtype=torch.bool, device=device)
+        prompt_rows, prompt_ids = _flat_pairs([histories[i].prompt_tensor(device) for i in pen])
+        seen[prompt_rows, prompt_ids.clamp(max=vocab)] = True
+        seen = seen[:, :vocab] | generated
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in pen], dtype=x.dtype, device=device)[:, None]
+
+        repetition = column("repetition_penalty")
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * generated.to(x.dtype)
+        x.index_copy_(0, index, sub)
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``tokens`` under ``logits`` and the ``num_top`` most likely tokens.
+
+    Args:
+        logits: ``[rows, vocab]`` raw logits (any float dtype; log-softmax taken in fp32).
+        tokens: ``[rows]`` int64, the token whose log-probability each row reports.
+        num_top: most likely tokens returned per row (0: none).
+
+    Returns:
+        ``(logprob [rows] fp32, rank [rows] int64, top_logprobs [rows, num_top] fp32, top_ids [rows, num_top]
+        int64)``; rank 1 is the most likely token (vLLM's count of tokens at least as likely, the token included).
+    """
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
+    rank = (lp >= chosen[:, None]).sum(dim=-1)
+    if num_top > 0:
+        top_lp, top_ids = lp.topk(min(num_top, lp.shape[-1]), dim=-1)
+    else:
+        top_lp = lp.new_empty(lp.shape[0], 0)
+        top_ids = torch.empty(lp.shape[0], 0, dtype=torch.long, device=lp.device)
+    return chosen, rank, top_lp, top_ids
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[TokenHistory | None] | None = None, eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """Sample one token per row.
 
     Args:
@@ -112,16 +252,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         params: ``batch`` :class:`SamplingParams`; row ``i`` uses ``params[i]``.
         generators: ``batch`` generators on the logits' device (see :func:`make_generator`), or None to use
             the default torch RNG for that row. Greedy rows consume no randomness.
+        histories: per row, the tokens penalties and ``min_tokens`` read (needed only by rows that use them).
+        eos_token_ids: the ids ``min_tokens`` masks besides each row's ``stop_token_ids``.
 
     Returns:
-        ``[batch]`` int64 token ids on the logits' device. Greedy rows (``temperature == 0``) hold exactly
-        ``logits.float().argmax(-1)``; the others are drawn as the module docstring describes.
+        ``[batch]`` int64 token ids on the logits' device. Greedy rows (``temperature < SAMPLING_EPS``) without
+        logits processing hold exactly ``logits.float().argmax(-1)``; the others are drawn as the module docstring
+        describes.
     """
     _check_inputs(logits, params, generators)
     device = logits.device
     x = logits.float()
+    if any(p.processes_logits for p in params):
+        if histories is None or len(histories) != len(params):
+            raise ValueError("sample: penalties, logit_bias and min_tokens need one TokenHistory per row")
+        x = process_logits(x.clone() if x is logits else x, params, histories, eos_token_ids)
     tokens = x.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
     vocab = x.shape[-1]
@@ -129,7 +276,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         x = x[torch.tensor(rows, device=device)]
     sub = [params[i] for i in rows]
 
-    temperature = torch.tensor([p.temperature for p in sub], dtype=torch.float32, device=device)
+    temperature = torch.tensor([min(p.temperature, _MAX_TEMPERATURE) for p in sub], dtype=torch.float32,
+                               device=device)
     # Shift by the row max first: the softmax is unchanged and a tiny temperature cannot overflow to inf.
     x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None]
 
@@ -149,6 +297,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
     q = _exponentials(probs.shape, [generators[i] for i in rows], device)
     drawn = (probs / q).argmax(dim=-1)
+    # Never sample from NaN / inf: such rows (bad logits, an overflowing temperature) take their argmax.
+    broken = ~torch.isfinite(probs).all(dim=-1)
+    fallback = tokens if len(rows) == len(params) else tokens[torch.tensor(rows, device=device)]
+    drawn = torch.where(broken, fallback, drawn)
     if len(rows) == len(params):
         return drawn
     return tokens.index_copy(0, torch.tensor(rows, device=device), drawn)

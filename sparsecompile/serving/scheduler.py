@@ -240,6 +240,31 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def add_fork(self, request: Request) -> bool:
+        """Take ``request``, a sibling (``n > 1``) of a request whose prompt just finished prefilling, holding that
+        prompt and its own first sampled token.
+
+        Returns True when it joins the running batch now, as if its prompt had been prefilled (the engine then gives
+        it a row holding the prompt's KV; the reservation covers the prompt's prefill peak, which a re-prefilled
+        fork needs); False when that does not fit: it is queued like a preempted request instead (it re-prefills
+        prompt + first token when admitted).
+        """
+        request.prefill_ids = list(request.prompt_ids)
+        request.num_prefilled, request.num_decoded = len(request.prefill_ids), 0
+        peak = self._prefill_cost(request)
+        resident = self._pages(self._resident(request))
+        need = {k: max(peak.get(k, 0), resident.get(k, 0)) for k in set(peak) | set(resident)}
+        if len(self.running) < self.max_num_seqs and self.oracle.fits(need, self.free()):
+            request.status = RequestStatus.DECODING
+            self._set_reservation(request, resident)
+            self.running.append(request)
+            return True
+        request.status = RequestStatus.WAITING
+        request.prefill_ids = request.prompt_ids + request.output_ids
+        request.num_prefilled = 0
+        self.waiting.appendleft(request)
+        return False
+
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """``request`` stopped ("stop", "length" or "abort"): drop it and its reservation."""
         if request.status is RequestStatus.FINISHED:

@@ -1,0 +1,134 @@
+"""Inter-token latency of running streams while a burst of new prompts arrives (issue #13, item 6).
+
+    python benchmarks/serving_burst.py [--method vanilla] [--running 8] [--burst 64] [--prompt 1024] [--out DIR]
+    python benchmarks/serving_burst.py --device cpu --tiny ...                     (CPU smoke run)
+
+``--running`` requests with ``--prompt``-token prompts decode steadily (greedy, ``ignore_eos``); then ``--burst``
+new prompts of the same length arrive at once, with ``max_num_batched_tokens`` (``--budget``, default 8192) per
+engine step. Each running stream's inter-token gaps are recorded from the engine's step outputs: p50 over the
+steady window, p50 / p99 while the burst is being prefilled (until every burst request has its first token).
+Two modes in the same invocation, on the same model and engine options:
+
+* ``batched``: today's engine: a step's prompt chunks share one padded forward per group of similar lengths;
+* ``per_chunk``: one forward per prompt chunk, as the engine did before (``serving.engine.pack_chunks`` patched to
+  singleton groups), the "before" row.
+
+Target (issue #13): running streams' p99 during a burst of 64 new 1K-token prompts <= 3x their steady p50.
+Results: ``serving_burst<TAG>.jsonl`` under ``--out``, a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():  # CPU smoke runs: Triton kernels must be interpreted (set before they are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import METHOD_OPTIONS  # noqa: E402
+from serving import StubTokenizer, make_model  # noqa: E402
+
+import sparsecompile  # noqa: E402
+import sparsecompile.serving.engine as engine_module  # noqa: E402
+from sparsecompile import LLM, SamplingParams  # noqa: E402
+
+
+def _gaps(times: dict[str, list[float]], start: float, stop: float) -> list[float]:
+    """Inter-token gaps of every stream whose later token fell in ``[start, stop)``."""
+    out = []
+    for stamps in times.values():
+        out += [b - a for a, b in zip(stamps, stamps[1:]) if start <= b < stop]
+    return out
+
+
+def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
+    original = engine_module.pack_chunks
+    if mode == "per_chunk":
+        engine_module.pack_chunks = lambda chunks, _budget: [[c] for c in chunks]
+    llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst,
+              max_num_batched_tokens=args.budget, compile=args.device == "cuda", cuda_graphs=args.device == "cuda",
+              **METHOD_OPTIONS[args.method])
+    engine = llm.llm_engine
+    try:
+        rng = np.random.default_rng(0)
+        prompt = lambda: rng.integers(3, 1000, args.prompt).tolist()  # noqa: E731
+        times: dict[str, list[float]] = {}
+        long = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0)
+        for i in range(args.running):
+            engine.add_request(f"run-{i}", prompt(), long)
+            times[f"run-{i}"] = []
+
+        def step() -> list:
+            outs = engine.step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            for out in outs:
+                if out.request_id in times and out.outputs[0].delta_token_ids:
+                    times[out.request_id].append(now)
+            return outs
+
+        while any(len(t) < 2 for t in times.values()):  # every running stream is decoding
+            step()
+        steady_start = time.perf_counter()
+        for _ in range(args.steady_steps):
+            step()
+        burst_start = time.perf_counter()
+        first = set()
+        for i in range(args.burst):
+            engine.add_request(f"burst-{i}", prompt(), SamplingParams(max_tokens=1, temperature=0))
+        while len(first) < args.burst:
+            first.update(o.request_id for o in step() if o.request_id.startswith("burst-"))
+        burst_stop = time.perf_counter()
+        steady = _gaps(times, steady_start, burst_start)
+        burst = _gaps(times, burst_start, burst_stop)
+        row = {"mode": mode, "method": args.method, "running": args.running, "burst": args.burst,
+               "prompt": args.prompt, "budget": args.budget, "steady_p50_ms": 1e3 * float(np.median(steady)),
+               "burst_p50_ms": 1e3 * float(np.median(burst)), "burst_p99_ms": 1e3 * float(np.percentile(burst, 99)),
+               "burst_s": burst_stop - burst_start}
+        row["p99_over_steady_p50"] = row["burst_p99_ms"] / row["steady_p50_ms"]
+        return row
+    finally:
+        for request_id in list(times):
+            engine.abort_request(request_id)
+        engine.step()
+        engine_module.pack_chunks = original
+        sparsecompile.restore(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", default="vanilla")
+    parser.add_argument("--running", type=int, default=8)
+    parser.add_argument("--burst", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    parser.add_argument("--steady-steps", type=int, default=32)
+    parser.add_argument("--modes", default="per_chunk,batched")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    model = make_model(args.layers, args.tiny, args.device)
+    os.makedirs(args.out, exist_ok=True)
+    rows = [run_mode(model, args, mode) for mode in args.modes.split(",")]
+    with open(os.path.join(args.out, f"serving_burst{args.tag}.jsonl"), "w") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"{'mode':>10} {'steady p50 ms':>14} {'burst p50 ms':>13} {'burst p99 ms':>13} {'p99/p50':>8}")
+    for r in rows:
+        print(f"{r['mode']:>10} {r['steady_p50_ms']:14.1f} {r['burst_p50_ms']:13.1f} {r['burst_p99_ms']:13.1f} "
+              f"{r['p99_over_steady_p50']:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

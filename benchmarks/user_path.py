@@ -1,0 +1,148 @@
+"""Decode as users run it: ``optimize()`` then ``model.generate()``, beside the engine step, on the Llama-3.1-8B shape.
+
+    python benchmarks/user_path.py [--methods vanilla,snapkv,...] [--points 32768x1,131072x4] [--out DIR]
+    sparsecompile bench --user-path ...            (same arguments)
+
+Per (method, context, batch) point, through the public API only (random bf16 weights, random prompt ids):
+
+* ``generate_tok_s = batch x (N - 1) / (t(generate N tokens) - t(generate 1 token))``: two timed calls after a
+  first (compiling) call, each with its own prefill, so the difference is decode;
+* ``engine_tok_s``: the compiled engine step from a synthetically filled cache (``decode.engine_point``), same run;
+* ``first_call_extra_s = t(first generate N) - t(generate N)`` (compile and capture on the first call);
+* ``warm_process_extra_s`` (``--warm-process``, 32K x 1 points): a new Python process (this script with ``--child``)
+  that builds the model, optimizes it and calls ``generate`` N tokens with the on-disk compile cache already warm,
+  minus that process's second call: what a restarted server pays.
+
+Results: JSON lines ``user_path<TAG>.jsonl`` under ``--out`` (fields method, context, batch, generate_tok_s,
+engine_tok_s, first_call_extra_s, warm_process_extra_s, ...) and a table on stdout.
+Cost: a point costs three prefills plus a compile (32K x 1: about 40-70 s; 128K x 4: several minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import METHOD_OPTIONS, build_model, engine_point, weight_bytes  # noqa: E402
+
+import sparsecompile  # noqa: E402
+
+
+def _timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def generate_point(model, method: str, context: int, batch: int, new_tokens: int) -> dict:
+    sparsecompile.optimize(model, method, **METHOD_OPTIONS[method])
+    ids = torch.randint(3, 1000, (batch, context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    try:
+        first = _timed_generate(model, ids, new_tokens)
+        one = _timed_generate(model, ids, 1)
+        full = _timed_generate(model, ids, new_tokens)
+        from torch._dynamo.utils import counters
+
+        skips = int(counters["inductor"]["cudagraph_skips"])
+    finally:
+        sparsecompile.restore(model)
+        torch.cuda.empty_cache()
+    return {"method": method, "context": context, "batch": batch, "new_tokens": new_tokens,
+            "generate_tok_s": batch * (new_tokens - 1) / (full - one), "t_one_s": one, "t_full_s": full,
+            "first_call_extra_s": first - full, "cudagraph_skips": skips}
+
+
+def child(args: argparse.Namespace) -> None:
+    """A fresh process: model, optimize, first and second generate; prints one JSON line."""
+    start = time.perf_counter()
+    model = build_model(args.layers)
+    built = time.perf_counter() - start
+    row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens)
+    row["build_s"] = built
+    print("CHILD " + json.dumps(row), flush=True)
+
+
+def warm_process_extra(args: argparse.Namespace, method: str, context: int, batch: int) -> float | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--methods", method, "--points",
+           f"{context}x{batch}", "--new-tokens", str(args.new_tokens)] + (["--layers", str(args.layers)]
+                                                                          if args.layers else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("CHILD ")), None)
+    if line is None:
+        print(done.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(line[len("CHILD "):])["first_call_extra_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="vanilla,streamingllm,snapkv,pyramidkv,h2o,quest,omnikv")
+    parser.add_argument("--points", default="32768x1,32768x16,131072x1,131072x4")
+    parser.add_argument("--new-tokens", type=int, default=129)
+    parser.add_argument("--steps", type=int, default=128, help="timed engine steps")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine-step rows")
+    parser.add_argument("--warm-process", action="store_true", help="measure a new process with warm caches "
+                                                                    "(32K x 1 points)")
+    parser.add_argument("--child-timeout", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--tag", default="_h200")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.exit(2, "user_path.py measures GPU decode through generate(): it needs a CUDA device\n")
+    if args.child:
+        child(args)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"user_path{args.tag}.jsonl")
+    model = build_model(args.layers)
+    wbytes = weight_bytes(model)
+    rows = []
+    for point in args.points.split(","):
+        context, batch = map(int, point.split("x"))
+        for method in args.methods.split(","):
+            try:
+                row = generate_point(model, method, context, batch, args.new_tokens)
+                if not args.no_engine:
+                    engine = engine_point(model, method, context, batch, 16, args.steps, wbytes, 1.0)
+                    row["engine_tok_s"] = engine.tok_s
+                    row["generate_vs_engine"] = row["generate_tok_s"] / engine.tok_s
+                if args.warm_process and (context, batch) == (32768, 1):
+                    row["warm_process_extra_s"] = warm_process_extra(args, method, context, batch)
+            except torch.OutOfMemoryError as err:
+                row = {"method": method, "context": context, "batch": batch, "error": f"out of memory: {err}"[:200]}
+                sparsecompile.restore(model)
+                torch.cuda.empty_cache()
+            except Exception as err:  # noqa: BLE001 - one failing point must not lose the others
+                row = {"method": method, "context": context, "batch": batch, "error": repr(err)[:300]}
+                sparsecompile.restore(model)
+                torch.cuda.empty_cache()
+            rows.append(row)
+            with open(path, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    print(f"\n{'method':>12} {'point':>10} {'generate':>9} {'engine':>9} {'ratio':>6} {'first+s':>8} {'warm+s':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['method']:>12} {r['context']}x{r['batch']:<4} {r['error'][:60]}")
+            continue
+        warm = r.get("warm_process_extra_s")
+        print(f"{r['method']:>12} {r['context']:>6}x{r['batch']:<3} {r['generate_tok_s']:9.1f} "
+              f"{r.get('engine_tok_s', float('nan')):9.1f} {r.get('generate_vs_engine', float('nan')):6.3f} "
+              f"{r['first_call_extra_s']:8.1f} {'' if warm is None else f'{warm:7.1f}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""``sparsecompile.export`` / ``sparsecompile.load``: compiled artifacts that serve without tracing or compiling.
+
+What is exported, and why this shape
+------------------------------------
+The serving engine's step is split in two by nature: host work (page allocation and table flushes, the
+method's ``prepare_step`` / ``commit_step``, eviction planning, scheduling) and device work (the model
+forward with each layer's KV write, selection and attention, then the method's ``finish_step``). The host
+work is Python in the KV core (``runtime/``, ``methods/``) and has no HF code in it, so an artifact keeps it as
+is: the loader rebuilds the same SparseController from the manifest. What is exported is the device work:
+
+* **decode** (the hot path): one step with attention *traced in* (``models/export_programs.py``): the pool,
+  block table, slot counts and method buffers are explicit mutated inputs, the batch and the pool's page count
+  are dynamic. It is the very graph the compiled path runs (same ops, same inductor lowering), so decode speed
+  follows it, and a decode step has no host sync, so the loader captures one CUDA graph per batch bucket over
+  it. Exporting the forward with an opaque attention op instead would have served decode as well, but each
+  layer's write / view / attention would then run as eager launches inside the graph (some twenty small
+  kernels per layer instead of a few fused ones): several percent of a batch-1 decode step.
+* **prefill**: the model math with each layer's attention as one opaque ``sparsecompile::attend`` op that calls
+  the loading process's controller (``runtime/attend_op.py``); batch, tokens and kept positions are dynamic.
+  Prefill hooks are host-heavy (SnapKV's windows, eviction plans, H2O's chunk-wise eviction read host counts),
+  and a chunk's cost is its GEMMs, so keeping the per-layer lifecycle eager costs nothing measurable, and one
+  program serves every chunk shape of every method (it is method-independent, and cached across exports).
+
+Both programs take the weights as AOTInductor user-managed constants, stored once in ``weights.safetensors``;
+with ``fuse_projections`` (the default) each layer's q/k/v and gate/up weights are one fused weight and one GEMM
+(``models/export_fusion.py``), as in the compiled decode step.
+On CUDA, inductor's own kernels are cubins inside the packages; sparsecompile's ops (defined with
+``torch.library``, not ``triton_op``) are called back through AOTI's proxy executor, so the loader imports
+``sparsecompile.kernels`` (never the HF modeling code), and CUDA graphs remove that host cost from decode.
+
+The artifact directory: ``manifest.json`` (``serving/manifest.py``), ``prefill.pt2`` and ``decode.pt2`` (form
+``aoti``; form ``exported`` ships ``*.ep.pt2`` torch.export programs instead), ``weights.safetensors``,
+``tokenizer/`` and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import OPTION_KINDS, EngineConfig, ServingConfig
+from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, versions, write
+
+#: pages of the pool the programs are traced with (the page count is dynamic: any pool size loads)
+EXAMPLE_PAGES = 97
+
+
+def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLike, method: str = "vanilla", *,
+           tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str | None = None,
+           compile_cache: bool = True, **options: Any) -> Path:
+    """Export ``model`` with ``method`` into the artifact directory ``out_dir``; returns its path.
+
+    Args:
+        model: an HF causal LM (pass ``tokenizer`` too), an HF directory, a ``.gguf`` file, or None for the
+            embedded SmolLM2-135M-Instruct. An nn.Module is patched in place (``optimize``).
+        method, options: as for :class:`sparsecompile.LLM`: method options, engine options and serving options.
+            ``max_num_seqs`` and ``max_model_len`` are fixed in the artifact (the decode program's tables have
+            their shapes); the KV memory is chosen at load.
+        form: ``"aoti"`` (AOTInductor packages) or ``"exported"`` (torch.export programs: the fallback for hosts
+            where AOTI packages do not load). Default: ``"aoti"`` on CPU, ``"exported"`` on CUDA, where on the H200
+            image (torch 2.11 + CUDA 13.0) ``aoti_load_package`` segfaults in a fresh process even for a package of
+            one ``Linear`` and no custom op (``benchmarks/aoti_min.py``, ``results/aoti_min_h200.log``).
+        compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
+            the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
+    """
+    from .models.default_model import load_model, resolve_model_path
+    from .optimize import optimize, restore, split_method_options
+
+    routed = split_method_options(method, options, accepted=OPTION_KINDS)
+    serving = ServingConfig(**routed["serving"])
+    engine_options = asdict(EngineConfig(**routed["engine"]))
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise ValueError("pass tokenizer= together with a model object")
+        name = serving.model_name or getattr(model.config, "_name_or_path", None) or None
+    else:
+        given = model
+        model, loaded = load_model(given, dtype=dtype, device=device)
+        tokenizer = tokenizer or loaded
+        name = serving.model_name or (str(given) if given is not None else resolve_model_path(None).name)
+    if form is None:
+        form = "exported" if next(model.parameters()).device.type == "cuda" else "aoti"
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},
+             **routed["method"])
+    try:
+        return _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form,
+                               compile_cache)
+    finally:
+        restore(model)  # the programs hold what they need; give the model back as it came
+
+
+def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, dict[str, Any]], serving: ServingConfig,
+                    engine_options: dict[str, Any], name: str | None, out: Path, form: str,
+                    compile_cache: bool) -> Path:
+    """Trace, compile and write the artifact of a model patched for export (see :func:`export`)."""
+    from .models.export_fusion import fuse_projections
+    from .models.export_programs import export_decode, export_prefill
+    from .models.hf_patch import patched_model
+    from .runtime.state_binding import decode_state
+    from .serving.engine import LLMEngine
+
+    patched = patched_model(model)
+    controller = patched.controller
+    engine = LLMEngine(model, tokenizer, replace(serving, kv_cache_memory=None, gpu_memory_utilization=None))
+    max_batch = engine.config.max_num_seqs
+    example_batch = min(3, max_batch)
+    empty = torch.zeros(0, 1, dtype=torch.long, device=controller.layout.device)
+    controller.decode(patched.inner, [], empty, empty, pad_to=example_batch)  # creates the methods' lazy buffers
+    decode, state = export_decode(model, decode_state(controller), example_batch, max_batch)
+    programs = {"prefill": export_prefill(model, engine.max_model_len, max_batch), "decode": decode}
+    fused: dict[str, int] = {}
+    if engine_options["fuse_projections"]:  # as the compiled decode step does: one GEMM per q/k/v and gate/up
+        shared: dict[str, torch.Tensor] = {}
+        for key in programs:
+            programs[key], fused[key] = fuse_projections(programs[key], shared)
+
+    out.mkdir(parents=True, exist_ok=True)
+    device_ = controller.layout.device
+    files: list[str] = []
+    specs: dict[str, dict[str, Any]] = {
+        "prefill": {"inputs": ["input_ids", "position_ids", "keep"], "tokens": [1, engine.max_model_len],
+                    "batch": [1, max_batch]},
+        "decode": {"inputs": ["input_ids", "positions", "rows", "new_offsets", "num_new"],
+                   "state": [slot.name for slot in state], "batch": [1, max_batch]},
+    }
+    configs = _inductor_configs(controller.runtime.reads_pool_across_layers)
+    for key, ep in programs.items():
+        if form == "aoti":
+            file = f"{key}.pt2"
+            _compile_package(ep, out / file, configs, device_)
+        else:
+            file = f"{key}.ep.pt2"
+            _save_program(ep, out / file)
+        specs[key]["file"] = file
+        specs[key]["fused_groups"] = fused.get(key, 0)
+        files.append(file)
+    if form == "exported" and compile_cache:
+        files.append(_compile_cache(out, specs["decode"], controller, dict(programs["decode"].state_dict),
+                                    engine.graph_sizes))
+
+    weights = _save_weights(programs.values(), out / "weights.safetensors")
+    tokenizer.save_pretrained(str(out / "tokenizer"))
+    files += [str(p.relative_to(out)) for p in sorted((out / "tokenizer").rglob("*")) if p.is_file()]
+    model.config.to_json_file(str(out / "config.json"))
+    files.append("config.json")
+
+    info = controller.runtime.model
+    serving_out = asdict(engine.config)
+    serving_out.update(max_model_len=engine.max_model_len, model_name=name)
+    manifest = {
+        "form": form,
+        "device": device_facts(device_),
+        "model": {"info": {**asdict(info), "attention_paths": list(info.attention_paths)},
+                  "dtype": str(controller.layout.dtype).removeprefix("torch."), "vocab_size": engine.patched.vocab_size,
+                  "max_length": patched.max_length, "eos_token_ids": sorted(engine.eos_token_ids), "name": name},
+        "method": {"name": method, "options": routed["method"]},
+        "engine": {**engine_options, "num_pages": routed["engine"].get("num_pages")},
+        "serving": serving_out,
+        "programs": specs,
+        "weights": weights,
+        "buckets": engine.graph_sizes,
+        "tokenizer": "tokenizer",
+        "files": hash_files(out, files),
+    }
+    write(out, manifest)
+    return out
+
+
+def load(path: str | os.PathLike, *, device: str | None = None, verify: bool = True, **options: Any):
+    """An :class:`sparsecompile.LLM` (``generate``, ``chat``) serving the artifact in ``path``.
+
+    Runs the artifact's compiled programs: nothing is traced or compiled, no HF modeling code is imported. Refuses
+    (``ArtifactError``, with the reason) an artifact built by another torch or for another GPU architecture, or
+    one whose files changed since export. ``options``: load-time serving options (``kv_cache_memory``,
+    ``gpu_memory_utilization``, ``num_pages``, ``max_num_batched_tokens``, ``cuda_graph_sizes``, ``model_name``).
+    """
+    from .llm import LLM
+    from .serving.artifact import load_engine
+
+    return LLM.from_engine(load_engine(path, device=device, verify=verify, **options))
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _inductor_configs(keep_order: bool) -> dict[str, Any]:
+    from .runtime.compilation import inductor_patches
+
+    configs = inductor_patches(cuda_graphs=False, keep_order=keep_order)
+    configs["aot_inductor.package_constants_in_so"] = False  # weights: one safetensors file, handed over at load
+    return configs
+
+
+def _package_key(ep: torch.export.ExportedProgram, configs: dict[str, Any], device: torch.device) -> str:
+    """What an AOTI package depends on besides the weights' values (which it does not contain)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"versions": versions(), "device": device_facts(device), "configs": configs},
+                             sort_keys=True, default=str).encode())
+    digest.update(ep.graph_module.code.encode())
+    digest.update(str(ep.graph_signature).encode() + str(ep.range_constraints).encode())
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            digest.update(f"{node.name}:{getattr(val, 'shape', val)}:{getattr(val, 'dtype', '')}".encode())
+            if isinstance(val, torch.Tensor):
+                digest.update(str(val.stride()).encode())
+    for name, value in sorted(ep.constants.items()):
+        if isinstance(value, torch.Tensor):
+            digest.update(name.encode() + value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: dict[str, Any],
+                     device: torch.device) -> None:
+    """AOTInductor-compile ``ep`` into ``target``, reusing an identical package compiled before (the prefill
+    program is the same for every method of a model; ``$SPARSECOMPILE_CACHE/aoti``)."""
+    from .models.default_model import cache_dir
+
+    cached = cache_dir() / "aoti" / f"{_package_key(ep, configs, device)}.pt2"
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            built = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "package.pt2"),
+                                                             inductor_configs=configs)
+            os.replace(built, cached)
+    shutil.copyfile(cached, target)
+
+
+def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[str, torch.Tensor],
+                   buckets: list[int]) -> str:
+    """The fallback form's warm start: compile the saved decode program exactly as ``load`` will (loaded from disk,
+    same inductor options, pool pages dynamic) at every batch bucket, over padding-only steps that change nothing,
+    and save the compiler's cache artifacts next to it; returns the file name."""
+    from .serving.artifact import ArtifactDecode, ExportedProgramRunner, per_page_inputs
+
+    spec["inductor"] = _inductor_configs(controller.runtime.reads_pool_across_layers)
+    spec["inductor"].pop("aot_inductor.package_constants_in_so")
+    torch.compiler.reset()
+    runner = ExportedProgramRunner(out / spec["file"], weights, len(spec["inputs"]), spec["inductor"],
+                                   per_page_inputs(spec))
+    decode = ArtifactDecode(runner, controller, spec["state"])
+    decode.bind_state()
+    controller.install_decode_step(decode)
+    empty = torch.zeros(0, 1, dtype=torch.long, device=controller.layout.device)
+    for batch in buckets:
+        controller.decode(None, [], empty, empty, pad_to=batch)
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        raise ArtifactError("torch.compiler.save_cache_artifacts returned nothing after compiling the decode program")
+    spec["compile_cache"] = "decode.cache.bin"
+    (out / spec["compile_cache"]).write_bytes(saved[0])
+    return spec["compile_cache"]
+
+
+def _save_program(ep: torch.export.ExportedProgram, target: Path) -> None:
+    """torch.export.save without the weights (they live in weights.safetensors): parameters become meta."""
+    saved = dict(ep.state_dict)
+    try:
+        for name, value in saved.items():
+            meta = torch.empty_like(value, device="meta")
+            ep.state_dict[name] = nn.Parameter(meta, requires_grad=False) if isinstance(value, nn.Parameter) else meta
+        torch.export.save(ep, str(target))
+    finally:
+        ep.state_dict.update(saved)
+
+
+def _save_weights(programs, target: Path) -> dict[str, Any]:
+    """Every weight and constant the programs read, once (names of one tensor become aliases); returns the
+    manifest's weights entry."""
+    from safetensors.torch import save_file
+
+    named: dict[str, torch.Tensor] = {}
+    for ep in programs:
+        named.update(ep.state_dict)
+        named.update({k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)})
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name in sorted(named):
+        t = named[name]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        stored[name] = t.detach().to("cpu").contiguous()
+    save_file(stored, str(target))
+    return {"file": target.name, "aliases": aliases}
+
+
+__all__ = ["ArtifactError", "export", "load"]

@@ -1,0 +1,214 @@
+"""``kivi``: KV cache quantization (Liu et al., https://arxiv.org/abs/2402.02750), and its compositions.
+
+KIVI is a *storage format*, not a retention policy: which tokens stay is the policy's decision, how they are stored
+is the CacheManager's (``runtime/kivi.py``: ``bits``-bit codes, keys per channel over groups of ``group_size``
+slots, values per token over groups of ``group_size`` channels, the newest ``residual`` tokens in full precision,
+quantized a group at a time as they age). Methods never see codes: their hooks read full-precision views.
+
+* ``method="kivi"``: every token stays (the ``vanilla`` policy) in KIVI storage.
+* ``method="<policy>+kivi"`` (parsed by ``registry.py``): the policy decides what stays, KIVI how it is stored; the
+  options of both are accepted (``budget=2048, bits=2``). Accepted policies: those that move resident tokens only
+  when a prompt ends, then only append (``snapkv``, ``pyramidkv``).
+
+How eviction stays correct over quantized storage (we chose "quantize only tokens that will never move again"):
+a KIVI key group is quantized per channel over consecutive slots, so moving one token in or out of a quantized group
+would re-quantize the group (and, repeated, compound the error). A composed policy's prompt is therefore prefilled in
+one forward (``PrefillMode.WHOLE``) whose slots stay in full precision until the policy's compaction has run; only
+the kept tokens are then quantized, once, and decode appends to the residual. Policies that keep moving tokens
+during decode (``streamingllm``, ``h2o``: evict-and-fill every step, H2O also after every prefill chunk, and H2O
+re-reads every key for its scores) and selection methods that read pages through their own key-scoring kernels
+(``quest``, ``omnikv``) are refused with the reason (:func:`kivi_refusal`).
+
+Defaults follow KIVI's LongBench setting (group 32, residual 128, 2 bits; KIVI recommends 4 bits for GQA models);
+HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_length``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+from ..config import MethodConfig, MethodConfigError, option
+from ..runtime.contract import PrefillMode, SparseMethod
+from ..runtime.kivi import KiviSpec
+from ..runtime.memory_oracle import MemoryOracle
+from .eviction import EvictionRuntime
+from .registry import register_format, register_method
+
+if TYPE_CHECKING:
+    from ..runtime.cache_manager import CacheManager, KVLayout
+    from ..runtime.model_info import ModelInfo
+    from ..runtime.step import StepState
+
+_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class KiviConfig(MethodConfig):
+    """Options of the ``kivi`` storage format (also accepted by every ``<policy>+kivi``)."""
+
+    bits: int = option(2, "bits per quantized key / value code: 2 or 4 (HF QuantizedCache: nbits)")
+    group_size: int = option(32, "KIVI group: keys share a scale and zero per channel over group_size consecutive "
+                                 "tokens, values per token over group_size channels; a power of two (HF: q_group_size)")
+    residual: int = option(128, "newest tokens kept in full precision, a multiple of group_size; older ones are "
+                                "quantized a group at a time (HF: residual_length)")
+    scale_dtype: str = option("float16", "dtype of the per-group scales and zero points: float16 or bfloat16")
+
+    method: ClassVar[str] = "kivi"
+
+    def validate(self) -> None:
+        m = self.method
+        if self.bits not in (2, 4) or isinstance(self.bits, bool):
+            raise MethodConfigError(f"{m}: bits must be 2 or 4, got {self.bits!r}")
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
+            raise MethodConfigError(f"{m}: group_size must be a positive power of two (pages hold whole key groups), "
+                                    f"got {g!r}")
+        r = self.residual
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % g:
+            raise MethodConfigError(f"{m}: residual must be a multiple of group_size={g} (>= 0: the residual hands "
+                                    f"whole groups to the quantized pages), got {r!r}")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise MethodConfigError(f"{m}: scale_dtype must be 'float16' or 'bfloat16', got {self.scale_dtype!r}")
+
+    def kivi_spec(self) -> KiviSpec:
+        return KiviSpec(self.bits, self.group_size, self.residual, _SCALE_DTYPES[self.scale_dtype])
+
+
+def check_geometry(method: str, spec: KiviSpec, model: ModelInfo) -> None:
+    """Value groups run over channels and codes pack into 32-bit words: both must divide the head dimension."""
+    dim = model.head_dim
+    if dim % spec.group_size:
+        raise MethodConfigError(f"{method}: group_size={spec.group_size} must divide the head dimension ({dim}): "
+                                f"values are quantized per token over groups of group_size channels; pass a "
+                                f"group_size that divides {dim}")
+    if dim * spec.bits % 32:
+        raise MethodConfigError(f"{method}: head dimension {dim} x {spec.bits} bits is not a whole number of 32-bit "
+                                "words")
+
+
+class KiviMemoryOracle(MemoryOracle):
+    """The policy's slots and pages (a KIVI page holds as many slots as a dense one, in fewer bytes: the pool is sized
+    with ``CacheManager.bytes_per_page``), plus the exact K/V bytes of those slots (:meth:`kv_bytes`)."""
+
+    def __init__(self, base: MemoryOracle, layout: KVLayout, spec: KiviSpec) -> None:
+        super().__init__(layout)
+        self.base, self.spec = base, spec
+
+    @property
+    def prefill_chunk(self) -> int | None:  # the controller sets it; the policy's oracle reads it
+        return self.base.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value: int | None) -> None:
+        self.base.prefill_chunk = value
+
+    def peak_slots_per_layer(self, prompt_len: int, max_new_tokens: int) -> list[int]:
+        return self.base.peak_slots_per_layer(prompt_len, max_new_tokens)
+
+    def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
+        return self.base.resident_slots_per_layer(prompt_len, generated)
+
+    def kv_bytes(self, slots_per_layer: list[int]) -> int:
+        """Codes, scales, zeros and full-precision residual of these slot counts, all KV heads (positions and the
+        ring's unused capacity not counted: ``CacheManager.bytes_per_row`` is the ring)."""
+        lay = self.layout
+        return sum(lay.num_kv_heads * self.spec.slot_bytes(lay.head_dim, lay.dtype, s) for s in slots_per_layer)
+
+    def resident_bytes(self, prompt_len: int, generated: int) -> int:
+        return self.kv_bytes(self.resident_slots_per_layer(prompt_len, generated))
+
+
+class KiviStorageMixin:
+    """The storage-format half of ``kivi`` and ``<policy>+kivi``: sets the CacheManager's format, announces steps
+    whose policy moves resident slots, and has them quantized after the policy's compaction."""
+
+    storage_format: ClassVar[str] = "kivi"
+    keeps_all_tokens = False  # a crop would have to un-quantize: refused like eviction methods' (controller)
+    needs_cache_access = True
+
+    def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
+        super().__init__(config, model)
+        self.storage = config.kivi_spec()
+        check_geometry(self.name, self.storage, model)
+
+    def memory_oracle(self, layout: KVLayout) -> MemoryOracle:
+        return KiviMemoryOracle(super().memory_oracle(layout), layout, self.storage)
+
+    def prepare_step(self, manager: CacheManager, step: StepState) -> None:
+        super().prepare_step(manager, step)
+        manager.storage.begin_step(step, defer=bool(np.any(self.rewrites_resident(manager, step))))
+
+    def commit_step(self, manager: CacheManager, step: StepState) -> None:
+        super().commit_step(manager, step)  # the policy truncates to what it kept
+        manager.storage.commit_deferred(step)
+
+
+@register_method
+class KiviRuntime(KiviStorageMixin, SparseMethod):
+    """``kivi``: every token stays, stored as KIVI pages plus the full-precision residual."""
+
+    name = "kivi"
+    config_class = KiviConfig
+
+
+# ---------------------------------------------------------------------------------------------------- composition
+def _overrides(cls: type, base: type, name: str) -> bool:
+    return getattr(cls, name) is not getattr(base, name)
+
+
+def kivi_refusal(policy: type[SparseMethod]) -> str | None:
+    """Why ``policy`` cannot be stored as KIVI (None: it can); capabilities, not names, decide."""
+    if getattr(policy, "storage_format", None):
+        return f"{policy.name} already stores its KV as {policy.storage_format}; compose a retention policy with kivi"
+    if (_overrides(policy, SparseMethod, "build_decode_selection") or _overrides(policy, SparseMethod,
+                                                                                 "build_prefill_selection")
+            or policy.reads_pool_across_layers):
+        return (f"{policy.name} selects pages or tokens to read with its own kernels over the dense pool's keys "
+                f"(page min / max, key scores); over quantized pages those reads would need KIVI-aware scoring "
+                f"kernels, which do not exist yet. Use {policy.name} alone, or kivi alone")
+    if issubclass(policy, EvictionRuntime) and (policy.chunk_eviction
+                                                or _overrides(policy, EvictionRuntime, "decode_scores")):
+        return (f"{policy.name} evicts resident tokens during decode (evict-and-fill moves the newest token into each "
+                f"hole{', and it evicts after every prefill chunk' if policy.chunk_eviction else ''}); KIVI quantizes "
+                f"keys per channel over groups of consecutive slots and keeps the newest tokens in full precision, so "
+                f"every eviction would re-quantize a key group around the newest token and compound the error. "
+                f"Compose a policy that evicts once, after the prompt (snapkv+kivi, pyramidkv+kivi), or use "
+                f"{policy.name} alone")
+    if policy.uses_decode_lse or policy.uses_prefill_lse:
+        return f"{policy.name} scores by re-reading every resident key, which KIVI pages do not offer in full precision"
+    return None
+
+
+def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
+    """``<policy>+kivi``: a runtime class that is ``policy`` with KIVI storage, and a config with both option sets."""
+    name = f"{policy.name}+kivi"
+    reason = kivi_refusal(policy)
+    if reason:
+        raise MethodConfigError(f"{name}: {reason}")
+    base = policy.config_class
+    clash = sorted(set(base.option_names()) & set(KiviConfig.option_names()))
+    if clash:
+        raise MethodConfigError(f"{name}: {policy.name} and kivi both declare option(s) {', '.join(clash)}")
+
+    def validate(self) -> None:
+        KiviConfig.validate(self)
+        base.validate(self)
+
+    config = dataclass(type(f"{base.__name__}Kivi", (KiviConfig, base), {
+        "__doc__": f"Options of ``{name}``: {policy.name}'s and kivi's.", "__module__": __name__,
+        "__annotations__": {}, "method": name, "validate": validate}))
+    # A policy that moves resident slots does it after a prompt: one forward per prompt keeps those slots in full
+    # precision until the compaction (module docstring).
+    mode = policy.prefill_mode if policy.keeps_all_tokens else PrefillMode.WHOLE
+    return type(f"{policy.__name__}Kivi", (KiviStorageMixin, policy), {
+        "__doc__": f"``{name}``: {policy.name} decides which tokens stay, KIVI stores them.", "__module__": __name__,
+        "name": name, "config_class": config, "prefill_mode": mode})
+
+
+register_format("kivi", compose_kivi, kivi_refusal)
+
+__all__ = ["KiviConfig", "KiviMemoryOracle", "KiviRuntime", "compose_kivi", "kivi_refusal"]

@@ -1,0 +1,112 @@
+"""CUDA-only checks of KIVI storage (skipped without a GPU): the Triton quantize-on-write and decode attention
+against their torch references at the Llama-3.1-8B attention shape, and kivi / snapkv+kivi decode compiled and
+replayed as CUDA graphs equal to eager decode.
+
+Tolerances: quantize-on-write is exact (same fp32 formulas, divisions rounded to nearest, casts to fp16 / bf16
+rounded to nearest), so codes, scales and zeros must be equal. Decode attention in bf16 runs its dots on bf16
+operands (the query times the key scales, the dequantized values, the probabilities) with fp32 accumulation
+against an fp32 reference: outputs of unit scale agree to 3e-2 (the dense bf16 kernel's own error is ~1e-2).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+HEADS, GROUP_Q, DIM, PAGE = 8, 4, 128, 32
+
+
+def _pages(num_pages, bits, scale_dtype, g):
+    words = DIM * bits // 32
+    return (torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32, device="cuda"),
+            torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32, device="cuda"),
+            torch.zeros(num_pages, HEADS, PAGE // 32, DIM, dtype=scale_dtype, device="cuda"),
+            torch.zeros(num_pages, HEADS, PAGE // 32, DIM, dtype=scale_dtype, device="cuda"),
+            torch.zeros(num_pages, HEADS, PAGE, DIM // 32, dtype=scale_dtype, device="cuda"),
+            torch.zeros(num_pages, HEADS, PAGE, DIM // 32, dtype=scale_dtype, device="cuda"))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_quantize_triton_equals_reference(bits, scale_dtype):
+    from sparsecompile.kernels.kivi_quant import kivi_quantize_reference, kivi_quantize_triton
+
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    ref, tri = _pages(600, bits, scale_dtype, g), _pages(600, bits, scale_dtype, g)
+    groups = 1024
+    key = (torch.randn(groups, HEADS, 32, DIM, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    value = torch.randn(groups, HEADS, 32, DIM, device="cuda", generator=g).to(torch.bfloat16)
+    dst = torch.randperm(600, device="cuda", generator=g)[:groups // 2].repeat(2)[:groups] * PAGE
+    dst[groups // 2:] = -1  # half skipped
+    kivi_quantize_reference(*ref, key, value, dst)
+    kivi_quantize_triton(*tri, key, value, dst)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
+def test_decode_attention_triton_vs_reference(bits, context, batch):
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_reference, kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
+
+    g = torch.Generator(device="cuda").manual_seed(context + bits)
+    per_seq = -(-context // PAGE)
+    num_pages = batch * per_seq + 1
+    pages = _pages(num_pages, bits, torch.float16, g)
+    quant = (context - 128) // 32 * 32
+    table = torch.randperm(num_pages - 1, device="cuda", generator=g).view(batch, per_seq).to(torch.int32)
+    index = table[:, None, :].expand(batch, HEADS, -1).contiguous()
+    first = (table[:, : quant // PAGE + 1].long() * PAGE)  # group starts of the quantized prefix
+    starts = (first[:, :, None] + torch.arange(0, PAGE, 32, device="cuda")).reshape(batch, -1)[:, : quant // 32]
+    n = starts.numel()
+    key = (torch.randn(n, HEADS, 32, DIM, device="cuda", generator=g) + torch.linspace(-3, 3, DIM, device="cuda"))
+    kivi_quantize_triton(*pages, key.bfloat16(), torch.randn_like(key).bfloat16(), starts.reshape(-1))
+    pos = torch.full((num_pages, HEADS, PAGE), -1, dtype=torch.int32, device="cuda")
+    j = torch.arange(context, device="cuda")
+    for b in range(batch):
+        pos[table[b, j // PAGE].long(), :, j % PAGE] = j.to(torch.int32)[:, None]
+    ring = 160
+    ring_k = torch.randn(batch + 1, HEADS, ring, DIM, device="cuda", generator=g).bfloat16()
+    ring_v = torch.randn(batch + 1, HEADS, ring, DIM, device="cuda", generator=g).bfloat16()
+    query = torch.randn(batch, HEADS * GROUP_Q, 1, DIM, device="cuda", generator=g).bfloat16()
+    lengths = torch.full((batch, HEADS), context, device="cuda", dtype=torch.int32)
+    args = (query, *pages, pos, ring_k, ring_v, torch.arange(batch, device="cuda"), index, lengths,
+            torch.full((batch,), quant, device="cuda"), torch.full((batch, 1), context, device="cuda"),
+            DIM ** -0.5, 0)
+    want = kivi_decode_attention_reference(*args)
+    for splits in (None, 1):
+        got = kivi_decode_attention_triton(*args, num_splits=splits)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("method,options", [("kivi", dict(bits=2, residual=32)),
+                                            ("kivi", dict(bits=4, residual=0, scale_dtype="bfloat16")),
+                                            ("snapkv+kivi", dict(budget=96, window=8, bits=2, residual=32))])
+def test_kivi_decode_with_cuda_graphs_equals_eager(method, options):
+    from tiny_models import left_padded_batch, tiny_config
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    import sparsecompile
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
+                         head_dim=64)
+    eager = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    graphs = copy.deepcopy(eager)
+    sparsecompile.optimize(eager, method, compile=False, **options)
+    sparsecompile.optimize(graphs, method, compile=True, cuda_graphs=True, **options)
+    ids, mask = left_padded_batch((150, 97, 120), seed=2)
+    ids, mask = ids.cuda(), mask.cuda()
+    want = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    got = graphs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    assert torch.equal(got, want)
+    assert int(counters["inductor"]["cudagraph_skips"]) == 0
+    assert sum(counters["graph_break"].values()) == 0

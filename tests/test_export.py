@@ -1,0 +1,173 @@
+"""Exported artifacts (``sparsecompile.export`` / ``sparsecompile.load``) on CPU.
+
+The artifact is exported from a 2-layer cut of the embedded SmolLM2 saved to disk (real tokenizer and chat
+template, real weights). A full 30-layer SmolLM2 works the same but its AOTInductor compiles cost minutes on two
+cores; the two programs of the cut cost about a minute together, once per cache (``$SPARSECOMPILE_CACHE/aoti``
+keeps packages by content: the second method reuses both, see ``export_decode``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparsecompile
+from sparsecompile import SamplingParams
+from sparsecompile.serving.manifest import ArtifactError
+
+ENGINE = dict(max_num_seqs=4, page_size=4, prefill_chunk_size=16, max_model_len=256)
+METHODS = {"vanilla": {}, "snapkv": {"budget": 24, "window": 8}}  # prompts below are longer: snapkv evicts
+PROMPTS = [
+    "The ocean covers most of the planet. Its currents carry heat from the equator toward the poles, and the "
+    "winds above it shape the weather of every coast. Tell me what lives in the deep sea.",
+    "Count with me: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, thirteen,",
+    "A short poem about rain on a tin roof at night, in four lines:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    "Hi",
+]
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow and say why the sky is blue."}]
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+_LOAD_SCRIPT = r"""
+import json, sys
+import sparsecompile
+from sparsecompile import SamplingParams
+llm = sparsecompile.load(sys.argv[1])
+spec = json.loads(sys.argv[2])
+params = SamplingParams(**spec["params"])
+outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+chat = llm.chat(spec["chat"], params, use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "chat": chat[0].outputs[0].token_ids,
+                  "modeling": sorted(m for m in sys.modules if m.startswith("transformers.models.")
+                                     and ".modeling_" in m and not m.endswith(".modeling_auto"))}))
+"""
+
+
+@pytest.fixture(scope="session")
+def smollm2_cut(smollm2_path, tmp_path_factory) -> Path:
+    """The first two layers of the embedded SmolLM2 (fp32), saved as an HF directory with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2_cut")
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32, local_files_only=True)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:2]
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def artifacts(smollm2_cut, tmp_path_factory) -> dict[str, Path]:
+    """vanilla through the Python API, snapkv through `sparsecompile export`."""
+    from sparsecompile.cli import main
+
+    root = tmp_path_factory.mktemp("artifacts")
+    paths = {"vanilla": sparsecompile.export(str(smollm2_cut), root / "vanilla", "vanilla", **ENGINE)}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **METHODS["snapkv"]}.items()]
+    assert main(["export", "--model", str(smollm2_cut), "--method", "snapkv", "--out", str(root / "snapkv"),
+                 *flags]) == 0
+    paths["snapkv"] = root / "snapkv"
+    return paths
+
+
+def _load_in_fresh_process(path: Path) -> dict:
+    spec = {"prompts": PROMPTS, "chat": CHAT, "params": {"temperature": 0, "max_tokens": GREEDY.max_tokens}}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sparsecompile.__file__).parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(path), json.dumps(spec)], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_fresh_process_serves_the_artifact_token_for_token(method, artifacts, smollm2_cut):
+    loaded = _load_in_fresh_process(artifacts[method])
+    # transformers.AutoTokenizer imports the auto-class tables (modeling_auto), never an architecture's code
+    assert loaded["modeling"] == [], "loading an artifact imported HF modeling code"
+    eager = sparsecompile.LLM(str(smollm2_cut), method, **ENGINE, **METHODS[method])
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert loaded["tokens"] == expected
+    assert loaded["chat"] == eager.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    if method == "snapkv":  # the prompts are longer than the budget: the artifact's prefill evicted
+        assert max(len(eager.tokenizer(p).input_ids) for p in PROMPTS) > METHODS[method]["budget"]
+
+
+@pytest.mark.slow
+def test_the_manifest_describes_what_ships(artifacts):
+    manifest = json.loads((artifacts["snapkv"] / "manifest.json").read_text())
+    assert manifest["form"] == "aoti" and manifest["versions"]["torch"] == torch.__version__
+    assert manifest["method"] == {"name": "snapkv", "options": METHODS["snapkv"]}
+    assert set(manifest["files"]) >= {"prefill.pt2", "decode.pt2", "config.json", "tokenizer/tokenizer.json"}
+    assert manifest["buckets"] == [1, 2, 4] and manifest["programs"]["decode"]["batch"] == [1, 4]
+    # snapkv only appends during decode: its program takes the pool and tables, not the eviction limits
+    assert manifest["programs"]["decode"]["state"] == ["manager.k_pool", "manager.v_pool", "manager.pos_pool",
+                                                       "manager.block_table", "manager.lengths"]
+
+
+def _copy(artifact: Path, tmp_path: Path) -> Path:
+    target = tmp_path / artifact.name
+    shutil.copytree(artifact, target)
+    return target
+
+
+@pytest.mark.slow
+def test_a_manifest_from_another_torch_is_refused(artifacts, tmp_path):
+    path = _copy(artifacts["vanilla"], tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["versions"]["torch"] = "1.13.0"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"built with torch 1\.13\.0 but this process runs torch"):
+        sparsecompile.load(path)
+
+
+@pytest.mark.slow
+def test_a_modified_package_or_manifest_is_refused(artifacts, tmp_path):
+    path = _copy(artifacts["vanilla"], tmp_path)
+    package = path / "decode.pt2"
+    data = bytearray(package.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    package.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="decode.pt2 does not match the manifest"):
+        sparsecompile.load(path)
+    path = _copy(artifacts["snapkv"], tmp_path / "second")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["method"]["options"]["budget"] = 4096
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="fingerprint does not match"):
+        sparsecompile.load(path)
+
+
+@pytest.mark.slow
+def test_options_the_programs_fix_cannot_change_at_load(artifacts):
+    with pytest.raises(ArtifactError, match="max_num_seqs=8 differs from the artifact's max_num_seqs=4"):
+        sparsecompile.load(artifacts["vanilla"], max_num_seqs=8)
+    with pytest.raises(ArtifactError, match=r"\['budget'\] cannot change at load"):
+        sparsecompile.load(artifacts["snapkv"], budget=8)
+
+
+@pytest.mark.slow
+def test_the_exported_form_serves_the_same_tokens(smollm2_cut, tmp_path):
+    """The fallback form (torch.export programs, for hosts where AOTI packages do not load), run as they are here:
+    its warm-compiled variant (``compile_cache``, on by default) costs minutes of inductor compiles on two cores
+    and runs in tests/gpu."""
+    path = sparsecompile.export(str(smollm2_cut), tmp_path / "exported", "snapkv", form="exported",
+                                compile_cache=False, **ENGINE, **METHODS["snapkv"])
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["form"] == "exported" and "decode.ep.pt2" in manifest["files"]
+    assert "compile_cache" not in manifest["programs"]["decode"]
+    loaded = sparsecompile.load(path)
+    eager = sparsecompile.LLM(str(smollm2_cut), "snapkv", **ENGINE, **METHODS["snapkv"])
+    assert ([o.outputs[0].token_ids for o in loaded.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)])

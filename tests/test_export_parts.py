@@ -1,0 +1,146 @@
+"""The pieces of an exported artifact, without compiling: the decode state list, its rebinding, the
+``sparsecompile::attend`` callback op, the exported programs run as torch.export programs, and the fallback form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from method_matrix import DENSE_EQUIVALENT
+from tiny_models import tiny_pair
+
+import sparsecompile
+from sparsecompile.models.export_fusion import fuse_projections
+from sparsecompile.models.export_programs import ExportError, export_decode, export_prefill
+from sparsecompile.models.hf_patch import patched_model
+from sparsecompile.runtime.attend_op import attend, serving
+from sparsecompile.runtime.state_binding import bound, decode_state
+from sparsecompile.runtime.step import StepState
+
+
+def _patched(method: str, **options):
+    _, model = tiny_pair("llama")
+    sparsecompile.optimize(model, method, page_size=4, **{**DENSE_EQUIVALENT[method], **options})
+    patched = patched_model(model)
+    patched.controller.build_pool(41, 5, 16)
+    return model, patched
+
+
+def _pad_step(patched, batch: int = 3) -> None:
+    empty = torch.zeros(0, 1, dtype=torch.long)
+    patched.controller.decode(patched.inner, [], empty, empty, pad_to=batch)
+
+
+@pytest.mark.parametrize("method,expected", [
+    ("vanilla", []),
+    ("h2o", ["slot_metadata.h2o_score", "method._limits"]),
+    ("quest", ["page_metadata.quest_kmax", "page_metadata.quest_kmin", "method.reads.read"]),
+    ("omnikv", ["method.count", "method.prompt", "method.reads.read", "method.selected"]),
+])
+def test_decode_state_lists_the_pool_and_every_method_buffer(method, expected):
+    _, patched = _patched(method)
+    _pad_step(patched)  # Quest / OmniKV create their read counters in the first step
+    names = [slot.name for slot in decode_state(patched.controller)]
+    assert names == ["manager.k_pool", "manager.v_pool", "manager.pos_pool", "manager.block_table",
+                     "manager.lengths", *expected]
+
+
+def test_bound_points_the_owners_at_other_tensors_and_restores_them():
+    _, patched = _patched("h2o", budget=8)
+    c = patched.controller
+    slots = decode_state(c)
+    originals = [slot.get() for slot in slots]
+    others = [t.clone()[:-2] if slot.per_page else t.clone() for slot, t in zip(slots, originals)]
+    with bound(c, slots, others):
+        assert c.manager.k_pool is others[0] and c.manager.slot_metadata["h2o_score"] is others[5]
+        assert c.manager.trash_page == others[0].shape[0] - 1  # follows the bound pool
+    assert all(slot.get() is t for slot, t in zip(slots, originals))
+    assert c.manager.trash_page == c.manager.num_pages
+
+
+def test_attend_op_is_the_live_controllers_attention():
+    model, patched = _patched("vanilla")
+    c = patched.controller
+    row = c.add_sequences(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 5, 16,
+                                                                                                        generator=g)
+    step = StepState.build(row, torch.ones(1, 5, dtype=torch.bool), torch.arange(5)[None], is_prefill=True,
+                           is_last_chunk=True, device=torch.device("cpu"))
+    c._begin(step)
+    c.step = step
+    try:
+        want = c.attend(0, q, k, v, 0.25, 0)
+        with serving(c):
+            got = attend(q, k, v, 0, 0.25, 0)
+            torch.library.opcheck(torch.ops.sparsecompile.attend.default, (q, k, v, 0, 0.25, 0))
+        torch.testing.assert_close(got, want)
+        with pytest.raises(RuntimeError, match="without a live SparseController"):
+            attend(q, k, v, 0, 0.25, 0)
+    finally:
+        c.step = None
+
+
+def _twins(method: str, **options):
+    """Two identical tiny models patched alike, each with its pool."""
+    models = tiny_pair("llama")
+    patched = []
+    for model in models:
+        sparsecompile.optimize(model, method, page_size=4, **{**DENSE_EQUIVALENT[method], **options})
+        patched.append(patched_model(model))
+        patched[-1].controller.build_pool(41, 5, 16)
+        _pad_step(patched[-1])
+    return models, patched
+
+
+@pytest.mark.parametrize("method,options", [("h2o", {"budget": 12}), ("quest", {"budget": 8}),
+                                            ("omnikv", {"budget": 6})])
+def test_exported_programs_step_like_the_eager_engine(method, options):
+    """Twin engines: one eager, one running the exported programs (prefill with attention called back, decode
+    with the method traced in and its state as inputs) as plain torch.export programs. Logits and every state
+    tensor stay equal through a batched, left-padded, chunked prefill (budgets below the prompt: evicting /
+    selecting) and padded decode."""
+    (_, model), (eager, served) = _twins(method, **options)
+    a, b = eager.controller, served.controller
+    program, state = export_decode(model, decode_state(b), 3, 4)
+    shared: dict = {}  # q/k/v and gate/up fused, as sparsecompile.export does: one tensor for both programs
+    program, fused = fuse_projections(program, shared)
+    prefill, fused_prefill = fuse_projections(export_prefill(model, 64, 4), shared)
+    assert fused == fused_prefill == 4  # 2 layers x (q/k/v, gate/up)
+    assert not any(name.endswith((".q_proj.weight", ".up_proj.weight")) for name in program.state_dict)
+    step_program, prefill = program.module(), prefill.module()
+
+    def prefill_inner(input_ids, inputs_embeds, position_ids, logits_to_keep):
+        keep = torch.arange(input_ids.shape[1] - logits_to_keep, input_ids.shape[1])
+        with serving(b):
+            return prefill(input_ids, position_ids, keep)
+
+    b.install_decode_step(lambda inner, step, input_ids, positions: step_program(
+        input_ids, positions, step.rows, step.new_offsets, step.num_new, tuple(s.get() for s in state)))
+    rows = [c.add_sequences(2) for c in (a, b)]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (2, 19), generator=g)
+    valid = torch.ones(2, 19, dtype=torch.bool)
+    valid[1, :6] = False  # the second prompt is shorter: left-padded, as the engine batches prompt chunks
+    positions = torch.where(valid, valid.long().cumsum(1) - 1, 0)
+    want = a.prefill(eager.inner, rows[0], ids, None, positions, valid, 1)
+    got = b.prefill(prefill_inner, rows[1], ids, None, positions, valid, 1)
+    torch.testing.assert_close(got, want)
+    token = torch.tensor([[7], [9]])
+    for i in range(5):
+        position = torch.tensor([[19 + i], [13 + i]])
+        want = a.decode(eager.inner, rows[0], token, position, pad_to=3)
+        got = b.decode(None, rows[1], token, position, pad_to=3)
+        torch.testing.assert_close(got, want)
+        b_state = {slot.name: slot.get() for slot in decode_state(b)}
+        for slot in decode_state(a):
+            torch.testing.assert_close(b_state[slot.name], slot.get(), msg=slot.name)
+        token = want[:, -1].argmax(-1, keepdim=True)
+
+
+def test_a_decode_hook_reading_host_fields_fails_the_export(monkeypatch):
+    model, patched = _patched("vanilla")
+    _pad_step(patched)
+    runtime = patched.controller.runtime
+    monkeypatch.setattr(type(runtime), "finish_step", lambda self, manager, step: list(step.row_ids), raising=False)
+    with pytest.raises(ExportError, match="read the step's host fields"):
+        export_decode(model, decode_state(patched.controller), 3, 4)

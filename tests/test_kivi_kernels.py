@@ -1,0 +1,210 @@
+"""KIVI ops: the quantization formulas against an independent scalar implementation, the Triton kernels against the
+torch references at toy sizes (TRITON_INTERPRET=1 on CPU, fp32: the interpreter's bf16 dot is wrong), the decode
+attention against dense attention over the dequantized floats, and torch.library.opcheck on every op."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsecompile.kernels import kivi_quant as kq
+from sparsecompile.kernels.kivi_attention import (
+    kivi_decode_attention_reference,
+    kivi_decode_attention_triton,
+    kivi_view_kv,
+)
+from sparsecompile.kernels.library import triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def naive_quantize(xs: list[float], bits: int, scale_dtype: torch.dtype) -> tuple[list[int], float, float]:
+    """One group, element by element: zero = min, scale = (max - min) / (2^b - 1) stored in ``scale_dtype``,
+    code = clamp(floor((x - zero) / scale + 1/2)) against the stored values; returns (codes, scale, zero)."""
+    top = 2**bits - 1
+    lo, hi = min(xs), max(xs)
+    scale = torch.tensor((hi - lo) / top, dtype=torch.float32).to(scale_dtype).item()
+    zero = torch.tensor(lo, dtype=torch.float32).to(scale_dtype).item()
+    codes = []
+    for x in xs:
+        if scale == 0:
+            codes.append(0)
+            continue
+        y = torch.tensor(x - zero, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+        codes.append(int(min(max(math.floor(y.item() + 0.5), 0), top)))
+    return codes, scale, zero
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_quantize_formulas_match_scalar_implementation(bits, scale_dtype):
+    g = torch.Generator().manual_seed(bits)
+    group, dim = 8, 16
+    key = torch.randn(group, dim, generator=g) * torch.linspace(0.1, 5, dim)  # channels of different ranges
+    key[:, 3] = 0.7  # a constant channel: scale 0
+    value = torch.randn(group, dim, generator=g)
+    codes, scale, zero = kq.quantize_keys(key, bits, scale_dtype)
+    for c in range(dim):  # per channel, over the group's slots
+        want, s, z = naive_quantize(key[:, c].tolist(), bits, scale_dtype)
+        assert codes[:, c].tolist() == want and scale[c].item() == s and zero[c].item() == z
+    back = kq.dequantize_keys(codes, scale, zero)
+    assert torch.allclose(back[:, 3], torch.full((group,), zero[3].item()))
+    assert ((back - key).abs() <= scale.float() / 2 + 1e-2 * scale.float() + 1e-3).all()
+    vcodes, vscale, vzero = kq.quantize_values(value, bits, scale_dtype, group)
+    for t in range(group):  # per token, over groups of `group` channels
+        for j in range(dim // group):
+            want, s, z = naive_quantize(value[t, j * group:(j + 1) * group].tolist(), bits, scale_dtype)
+            assert vcodes[t, j * group:(j + 1) * group].tolist() == want
+            assert vscale[t, j].item() == s and vzero[t, j].item() == z
+    got = kq.dequantize_values(vcodes, vscale, vzero)
+    want = vcodes.float().view(group, -1, group) * vscale.float()[..., None] + vzero.float()[..., None]
+    assert torch.equal(got, want.view(group, dim))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_roundtrip(bits):
+    codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.int32)
+    words = kq.pack_codes(codes, bits)
+    assert words.dtype == torch.int32 and words.shape == (3, 5, 64 * bits // 32)
+    assert torch.equal(kq.unpack_codes(words, bits), codes)
+    # channel c sits in word c // (32 / bits) at bit (c % (32 / bits)) * bits
+    c = 37
+    per = 32 // bits
+    assert int((words[1, 2, c // per].item() >> ((c % per) * bits)) & (2**bits - 1)) == codes[1, 2, c].item()
+
+
+# Toy sizes the Triton kernels accept (groups and head dims are powers of two >= 16): page 32, group 16, dim 32.
+PAGE, GROUP, DIM, HEADS, RING = 32, 16, 32, 2, 48
+
+
+def make_pages(num_pages=10, bits=2, dtype=torch.float16):
+    words = DIM * bits // 32
+    return (torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32),
+            torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32),
+            torch.zeros(num_pages, HEADS, PAGE // GROUP, DIM, dtype=dtype),
+            torch.zeros(num_pages, HEADS, PAGE // GROUP, DIM, dtype=dtype),
+            torch.zeros(num_pages, HEADS, PAGE, DIM // GROUP, dtype=dtype),
+            torch.zeros(num_pages, HEADS, PAGE, DIM // GROUP, dtype=dtype))
+
+
+def stored(seed=7):
+    """Three groups to write (the second skipped): page 2's second group, page 4's first."""
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(3, HEADS, GROUP, DIM, generator=g) * 3 + torch.linspace(-4, 4, DIM)
+    value = torch.randn(3, HEADS, GROUP, DIM, generator=g)
+    key[0, 1, :, 5] = 1.25  # a constant channel: scale 0
+    return key, value, torch.tensor([2 * PAGE + GROUP, -1, 4 * PAGE])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_reference_stores_the_formulas(bits):
+    pages = make_pages(bits=bits)
+    key, value, dst = stored()
+    kq.kivi_quantize_reference(*pages, key, value, dst)
+    kcode, vcode, kscale, kzero, vscale, vzero = pages
+    codes, scale, zero = kq.quantize_keys(key[0], bits, torch.float16)  # [H, G, D]
+    assert torch.equal(kq.unpack_codes(kcode[2, :, GROUP:2 * GROUP], bits), codes)
+    assert torch.equal(kscale[2, :, 1], scale) and torch.equal(kzero[2, :, 1], zero)
+    vcodes, vs, vz = kq.quantize_values(value[2], bits, torch.float16, GROUP)
+    assert torch.equal(kq.unpack_codes(vcode[4, :, :GROUP], bits), vcodes)
+    assert torch.equal(vscale[4, :, :GROUP], vs) and torch.equal(vzero[4, :, :GROUP], vz)
+    written = torch.zeros(kcode.shape[:3], dtype=torch.bool)
+    written[2, :, GROUP:2 * GROUP] = written[4, :, :GROUP] = True
+    assert not kcode[~written].any() and not vscale[~written].any()  # nothing else written
+    k, v = kq.kivi_dequantize_reference(*pages, torch.tensor([2, 4]), torch.float32)
+    assert torch.equal(k[0, :, GROUP:2 * GROUP], kq.dequantize_keys(codes, scale, zero))
+    assert torch.equal(v[1, :, :GROUP], kq.dequantize_values(vcodes, vs, vz))
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [2, 4])
+def test_triton_quantize_matches_reference(bits):
+    # fp16 scales: the interpreter casts to bf16 by truncation, the GPU (and torch) round to nearest
+    # (bf16 scales: tests/gpu/test_kivi_cuda.py)
+    scale_dtype = torch.float16
+    ref, tri = make_pages(bits=bits, dtype=scale_dtype), make_pages(bits=bits, dtype=scale_dtype)
+    key, value, dst = stored(bits)
+    kq.kivi_quantize_reference(*ref, key, value, dst)
+    kq.kivi_quantize_triton(*tri, key, value, dst)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b)
+
+
+def decode_case(bits=2, dtype=torch.float32, window=0, seed=0, long=150):
+    """Two sequences, 2 KV heads x 2 query heads each: ``long`` slots (up to 112 quantized over pages 3, 0 and half
+    of 7, the rest in ring row 3) and 40 slots all in ring row 1; a hole in head 1's quantized prefix."""
+    g = torch.Generator().manual_seed(seed)
+    pages = make_pages(bits=bits)
+    lengths = torch.tensor([[long, long], [40, 40]])
+    quantized = torch.tensor([min(112, (long - 1) // GROUP * GROUP), 0])
+    index = torch.tensor([[[3, 0, 7, 5, 2]] * 2, [[1, 8, 0, 0, 0]] * 2], dtype=torch.int32)
+    for p, start in ((3, 0), (3, GROUP), (0, 0), (0, GROUP), (7, 0)):
+        key = torch.randn(1, HEADS, GROUP, DIM, generator=g) + torch.linspace(-2, 2, DIM)
+        value = torch.randn(1, HEADS, GROUP, DIM, generator=g)
+        kq.kivi_quantize_reference(*pages, key, value, torch.tensor([p * PAGE + start]))
+    pos_pool = torch.full((10, HEADS, PAGE), -1, dtype=torch.int32)
+    for b in range(2):
+        for j in range(int(lengths[b, 0])):
+            pos_pool[index[b, 0, j // PAGE], :, j % PAGE] = j
+    pos_pool[0, 1, 4] = -1  # an emptied slot (a hole) in the quantized prefix of head 1
+    ring_k = torch.randn(5, HEADS, RING, DIM, generator=g).to(dtype)
+    ring_v = torch.randn(5, HEADS, RING, DIM, generator=g).to(dtype)
+    query = torch.randn(2, 2 * HEADS, 1, DIM, generator=g).to(dtype)
+    q_positions = torch.tensor([[long], [40]])
+    return (query, *pages, pos_pool, ring_k, ring_v, torch.tensor([3, 1]), index, lengths, quantized, q_positions,
+            0.25, window)
+
+
+@pytest.mark.parametrize("window", [0, 60])
+def test_decode_reference_equals_dense_attention_over_dequantized_floats(window):
+    args = decode_case(window=window)
+    query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, rows, index, lengths, quant, qpos = \
+        args[:15]
+    got = kivi_decode_attention_reference(*args)
+    deq_k, deq_v = kq.kivi_dequantize_reference(kcode, vcode, kscale, kzero, vscale, vzero, torch.arange(10),
+                                                torch.float32)  # every page, [pages, H, P, D]
+    for b in range(2):
+        n = int(lengths[b, 0])
+        j = torch.arange(n)
+        for h in range(2):
+            pages = index[b, h, j // PAGE].long()
+            quantized = (j < quant[b])[:, None]
+            k = torch.where(quantized, deq_k[pages, h, j % PAGE], ring_k[rows[b], h, j % RING].float())
+            v = torch.where(quantized, deq_v[pages, h, j % PAGE], ring_v[rows[b], h, j % RING].float())
+            pos = pos_pool[pages, h, j % PAGE].long()
+            ok = (pos >= 0) & (pos <= qpos[b, 0]) & ((pos > qpos[b, 0] - window) if window else True)
+            for g in range(2):
+                q = query[b, 2 * h + g, 0].float()
+                want = torch.softmax(k[ok] @ q * 0.25, 0) @ v[ok]
+                torch.testing.assert_close(got[b, 0, 2 * h + g].float(), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,splits,groups_per_tile", [(2, 3, 1), (4, 1, 2)])
+def test_triton_decode_matches_reference(bits, splits, groups_per_tile):
+    args = decode_case(bits=bits, window=60 if splits == 3 else 0, seed=bits)
+    assert kq.triton_supported(GROUP, DIM)  # the Triton kernel runs, not its fallback
+    want = kivi_decode_attention_reference(*args)
+    got = kivi_decode_attention_triton(*args, num_splits=splits,
+                                       config={"block_f": 16, "groups_per_tile": groups_per_tile})
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_view_kv_shapes_and_ring_rows():
+    args = decode_case()
+    k, v, pos, valid = kivi_view_kv(*args[1:14], span=150)
+    assert k.shape == (2, HEADS, 150, DIM) and pos.shape == (2, HEADS, 150) and valid[1, 0].sum() == 40
+    assert torch.equal(k[1, 1, 5], args[8][1, 1, 5].float())  # row 1 reads ring row 1 at slot 5 % RING
+    assert torch.equal(k[0, 0, 130], args[8][3, 0, 130 % RING].float())  # row 0: ring row 3
+    assert (pos[1, :, 40:] == -1).all()
+
+
+def test_opcheck_kivi_ops():
+    pages = make_pages()
+    key, value, dst = stored()
+    torch.library.opcheck(torch.ops.sparsecompile.kivi_quantize.default, (*pages, key, value, dst))
+    torch.library.opcheck(torch.ops.sparsecompile.kivi_dequantize.default,
+                          (*pages, torch.tensor([[2, 4]]), torch.float32))
+    torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default, decode_case(long=40))
