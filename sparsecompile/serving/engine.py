@@ -27,30 +27,27 @@ import torch
 from torch import nn
 
 from ..config import ServingConfig
-from ..models.hf_patch import patched_model
-from ..models.support import UnsupportedModelError
 from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
 from .interface import ServedModel
 from .logprobs import LogprobRecorder
 from .outputs import (
     CompletionOutput,
-    PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     RequestRejected,
-    SampleLogprobs,
     SamplingParams,
     child_seed,
 )
+from .patched import PatchedServedModel, eos_token_ids
+from .pool_size import kv_budget_bytes, pages_from_memory
 from .prune import Pruner, PruneResult, PruneSpec
+from .request_state import LiveSequence, RequestGroup
 from .reuse import KVReuse, ReuseStats, fingerprint
 from .sampling import TokenHistory, make_generator, sample
 from .scheduler import PrefillChunk, Request, Scheduler
 
 SERVING_PREFILL_CHUNK = 8192  # prompt tokens per step when prefill_chunk_size is not set (vLLM's default budget)
-_CPU_KV_MEMORY = 1 << 30  # default KV pool on CPU when kv_cache_memory is not given
-_GPU_KV_FRACTION = 0.85  # of the memory free after loading, when kv_cache_memory is not given
 
 
 @dataclass
@@ -64,40 +61,6 @@ class EngineStats:
     generation_tokens: int
     steps: int
     reuse: ReuseStats = field(default_factory=ReuseStats)  # chains, prefix cache, reclaimable pages
-
-
-@dataclass(eq=False)
-class _Group:
-    """One request as its caller sees it: ``n`` completions of one prompt (one sequence until the first token)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics  # shared by the sequences: prefill chunks and preemptions of all of them add up
-    seqs: list[_Live] = field(default_factory=list)
-    prompt_logprobs: PromptLogprobs | None = None
-    aborted: bool = False
-
-    @property
-    def done(self) -> bool:
-        complete = self.aborted or len(self.seqs) == self.params.n
-        return complete and all(lv.request.finish_reason is not None for lv in self.seqs)
-
-
-@dataclass(eq=False)
-class _Live:
-    """Engine-side state of one sequence (one completion of a request) next to its scheduling state."""
-
-    request: Request
-    detok: Detokenizer
-    generator: torch.Generator | None
-    group: _Group
-    index: int = 0  # the completion's index among the request's n
-    history: TokenHistory | None = None  # for penalties and min_tokens
-    logprobs: SampleLogprobs | None = None
-    cumulative_logprob: float | None = None
-    reported: int = 0  # output tokens already reported (the rest is this step's delta)
 
 
 class LLMEngine:
@@ -123,7 +86,8 @@ class LLMEngine:
         self.device = c.layout.device
         idle_rows = max_num_seqs if config.max_idle_chains is None else config.max_idle_chains
         rows = max_num_seqs + idle_rows + 1  # the running requests, the idle chains and the decode padding row
-        num_pages = c.config.num_pages or self._pages_from_memory(config, max_num_seqs, rows)
+        num_pages = c.config.num_pages or pages_from_memory(c, kv_budget_bytes(config, self.device),
+                                                            self.max_model_len, max_num_seqs, rows)
         widest = math.ceil((self.max_model_len + 1) / c.layout.page_size)
         self.manager = c.build_pool(num_pages, rows, widest)
         self.reuse = KVReuse(c, fingerprint(c, self.model_name), prefix_caching=config.enable_prefix_caching,
@@ -137,28 +101,14 @@ class LLMEngine:
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
             allow_recompiles(2 * len(self.graph_sizes) + 8)
-        self.eos_token_ids = patched.eos_token_ids | _eos_ids(None, tokenizer)
+        self.eos_token_ids = patched.eos_token_ids | eos_token_ids(None, tokenizer)
         self.vocab_size = patched.vocab_size
-        self._groups: dict[str, _Group] = {}  # by request id
-        self._live: dict[Request, _Live] = {}  # by scheduled sequence
+        self._groups: dict[str, RequestGroup] = {}  # by request id
+        self._live: dict[Request, LiveSequence] = {}  # by scheduled sequence
         self._logprobs = LogprobRecorder(tokenizer)
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self._default_seeds = 0  # requests seeded from config.seed so far
-
-    def _pages_from_memory(self, config: ServingConfig, max_num_seqs: int, rows: int) -> int:
-        """Pages that fit the KV memory budget once ``rows`` rows' own bytes are paid (KIVI's residual rings), capped
-        by what ``max_num_seqs`` full-length requests could use."""
-        c = self.controller
-        probe = c.build_pool(1, 1, 1)  # registers the method's metadata, so its bytes count per page
-        per_page = probe.bytes_per_page
-        budget = kv_budget_bytes(config, self.device) - rows * probe.bytes_per_row
-        useful = max_num_seqs * c.oracle.pages_for(c.oracle.peak_slots_per_layer(self.max_model_len, 0))
-        pages = min(budget // per_page, useful)
-        if pages < c.layout.num_layers:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds {budget // per_page} pages of {per_page} bytes; "
-                             f"one token needs {c.layout.num_layers} (one per layer): give the engine more memory")
-        return pages
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -195,14 +145,14 @@ class LLMEngine:
         metrics = RequestMetrics(time.monotonic(), num_prompt_tokens=len(ids))
         request = Request(request_id, ids, params, metrics, prompt=text, chain_id=chain_id)
         self.scheduler.add(request)
-        group = _Group(request_id, text, ids, params, metrics)
+        group = RequestGroup(request_id, text, ids, params, metrics)
         self._groups[request_id] = group
         self._add_seq(group, request)
 
-    def _add_seq(self, group: _Group, request: Request) -> _Live:
+    def _add_seq(self, group: RequestGroup, request: Request) -> LiveSequence:
         """Track ``request`` as completion ``len(group.seqs)`` of ``group``."""
         params, index = group.params, len(group.seqs)
-        live = _Live(request, Detokenizer(self.tokenizer, params, self.eos_token_ids),
+        live = LiveSequence(request, Detokenizer(self.tokenizer, params, self.eos_token_ids),
                      make_generator(child_seed(params.seed, index), self.device), group, index)
         if params.processes_logits:
             live.history = TokenHistory(request.prompt_ids, request.output_ids)
@@ -282,7 +232,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         self._release(plan.preempted)
-        changed: list[_Live] = []
+        changed: list[LiveSequence] = []
         if plan.decode:
             changed += self._run_decode(plan.decode)
         if plan.prefill:
@@ -292,7 +242,7 @@ class LLMEngine:
         outputs += self._outputs(changed)
         return outputs
 
-    def _run_decode(self, requests: list[Request]) -> list[_Live]:
+    def _run_decode(self, requests: list[Request]) -> list[LiveSequence]:
         rows = [r.row for r in requests]
         ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)
         positions = torch.tensor([[r.num_tokens - 1] for r in requests], device=self.device)
@@ -304,16 +254,16 @@ class LLMEngine:
             self.scheduler.decode_done(r)
         return self._sample([self._live[r] for r in requests], logits[:, -1])
 
-    def _run_prefill(self, chunks: list[PrefillChunk]) -> list[_Live]:
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> list[LiveSequence]:
         """Every prompt chunk of the step, batched: one forward per group of similar lengths (left-padded), each
         group's padded tokens within ``max_num_batched_tokens``, so a burst of new prompts costs a few forwards,
         not one per prompt. Returns the requests whose prompt ended (one token sampled each)."""
-        changed: list[_Live] = []
+        changed: list[LiveSequence] = []
         for group in pack_chunks(chunks, self.max_num_batched_tokens):
             changed += self._run_group(group)
         return changed
 
-    def _run_group(self, group: list[PrefillChunk]) -> list[_Live]:
+    def _run_group(self, group: list[PrefillChunk]) -> list[LiveSequence]:
         now = time.monotonic()
         for chunk in group:
             r = chunk.request
@@ -349,7 +299,7 @@ class LLMEngine:
             return []
         return self._sample([lives[i] for i in done], logits[done, -1])
 
-    def _sample(self, lives: list[_Live], logits: torch.Tensor) -> list[_Live]:
+    def _sample(self, lives: list[LiveSequence], logits: torch.Tensor) -> list[LiveSequence]:
         """Sample one token per sequence from ``logits [batch, vocab]``; apply stop conditions.
 
         A request with ``n > 1`` at its first token samples all ``n`` first tokens from its one row of logits, then
@@ -386,8 +336,8 @@ class LLMEngine:
         return lives
 
     # ------------------------------------------------------------------ n > 1: forks
-    def _expand_forks(self, lives: list[_Live],
-                      logits: torch.Tensor) -> tuple[list[_Live], torch.Tensor, list[tuple[_Live, int]]]:
+    def _expand_forks(self, lives: list[LiveSequence],
+                      logits: torch.Tensor) -> tuple[list[LiveSequence], torch.Tensor, list[tuple[LiveSequence, int]]]:
         """Add the ``n - 1`` siblings of each request sampling its first token, each with a copy of its logits row.
 
         Returns the sequences to sample, their logits and ``(sibling, row to fork)`` pairs.
@@ -419,17 +369,17 @@ class LLMEngine:
         return self.controller.fork_rows([row])[0]
 
     # ------------------------------------------------------------------ prompt logprobs
-    def _wants_prompt_logprobs(self, live: _Live) -> bool:
+    def _wants_prompt_logprobs(self, live: LiveSequence) -> bool:
         """Whether this chunk's logits are needed at every position: the request asked for prompt logprobs and this
         is its first pass over the prompt (not a sibling's or a preempted request's recomputation)."""
         return live.group.params.prompt_logprobs is not None and live.index == 0 and not live.request.output_ids
 
-    def _record_prompt_logprobs(self, group: _Group, start: int, logits: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, group: RequestGroup, start: int, logits: torch.Tensor) -> None:
         group.prompt_logprobs = self._logprobs.extend_prompt(group.prompt_logprobs or [], group.prompt_ids, start,
                                                              logits, group.params.prompt_logprobs)
 
     # ------------------------------------------------------------------ finishing and outputs
-    def _finish(self, live: _Live, reason: str, stop: str | int | None) -> None:
+    def _finish(self, live: LiveSequence, reason: str, stop: str | int | None) -> None:
         r = live.request
         self.scheduler.finish(r, reason, stop)
         self.reuse.finish(r, keep=reason in ("stop", "length"))  # parks a chain, caches blocks, frees the row
@@ -445,12 +395,12 @@ class LLMEngine:
         for r in requests:
             self.reuse.preempted(r)
 
-    def _outputs(self, changed: list[_Live]) -> list[RequestOutput]:
+    def _outputs(self, changed: list[LiveSequence]) -> list[RequestOutput]:
         """One output per request with a changed sequence (in order of first change)."""
         groups = list({id(lv.group): lv.group for lv in changed}.values())
         return [self._output(group) for group in groups]
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: RequestGroup) -> RequestOutput:
         completions = []
         for index in range(group.params.n):
             if index >= len(group.seqs):  # aborted before its first token: nothing was sampled
@@ -483,53 +433,3 @@ def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[Prefil
         else:
             groups.append([chunk])
     return groups
-
-
-class PatchedServedModel:
-    """The :class:`ServedModel` of an HF model patched by ``sparsecompile.optimize()``: its patched forward."""
-
-    def __init__(self, model: nn.Module) -> None:
-        try:
-            patched = patched_model(model)
-        except ValueError as err:
-            raise UnsupportedModelError(f"the serving engine needs a model patched by sparsecompile.optimize(): "
-                                        f"{err}") from None
-        self.controller = patched.controller
-        self.max_length = patched.max_length
-        self.inner = patched.inner
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.name = getattr(model.config, "_name_or_path", None) or None
-        self.eos_token_ids = _eos_ids(model, None)
-
-
-def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
-    """Bytes the KV pool may take: ``kv_cache_memory`` (bytes, or a fraction of the free GPU memory), or
-    ``gpu_memory_utilization`` (vLLM's meaning: the process's share of the GPU's total memory, weights and
-    activations included), or the default (0.85 of free GPU memory; 1 GiB on CPU)."""
-    cuda = torch.device(device).type == "cuda"
-    mem, util = config.kv_cache_memory, config.gpu_memory_utilization
-    if util is not None:
-        if not cuda:
-            raise ValueError("gpu_memory_utilization needs a CUDA device; pass kv_cache_memory in bytes on CPU")
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * util) - (total - free)
-        if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV pool: the process already "
-                             f"uses {(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise it")
-        return budget
-    if mem is None:
-        return int(torch.cuda.mem_get_info(device)[0] * _GPU_KV_FRACTION) if cuda else _CPU_KV_MEMORY
-    if 0 < mem <= 1:
-        if not cuda:
-            raise ValueError("kv_cache_memory as a fraction needs a CUDA device; pass bytes on CPU")
-        return int(torch.cuda.mem_get_info(device)[0] * mem)
-    return int(mem)
-
-
-def _eos_ids(model: nn.Module | None, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-    return ids
