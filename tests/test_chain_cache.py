@@ -27,6 +27,7 @@ EVICTING = {  # budgets below the conversations' lengths: every turn compresses 
     "pyramidkv": {"budget": 20, "window": 4},
     "h2o": {"budget": 20},
     "streamingllm": {"budget": 20, "sinks": 2},
+    "snapkv+kivi": {"budget": 20, "window": 4, "group_size": 16, "residual": 16},  # a chain keeps its residual ring
 }
 SELECTING = {"vanilla": {}, "quest": {"budget": 16, "dense_layers": 0}, "omnikv": {"budget": 12, "filter_layers": "0"}}
 

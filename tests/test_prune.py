@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5)
 def make_llm(method: str = "snapkv", **options) -> LLM:
     _, model = tiny_pair()
     defaults = {"snapkv": dict(budget=64, window=4), "h2o": dict(budget=64), "kvzip": dict(budget=64),
-                "vanilla": {}}[method]
+                "snapkv+kivi": dict(budget=64, window=4), "vanilla": {}}[method]
     return LLM(model, method, tokenizer=DigitTokenizer(), page_size=4, prefill_chunk_size=16, max_num_seqs=4,
                max_num_batched_tokens=24, **{**defaults, **options})
 
@@ -109,6 +109,10 @@ def test_bad_requests_are_refused_and_change_nothing():
     vanilla.generate([prompt], GREEDY, use_tqdm=False, chain_ids=["v"])
     with pytest.raises(PruneRejected, match="keeps every token"):
         vanilla.prune("v", [(8, 16)], 2)
+    quantized = make_llm("snapkv+kivi", group_size=16, residual=16)
+    quantized.generate([prompt], GREEDY, use_tqdm=False, chain_ids=["q"])
+    with pytest.raises(PruneRejected, match="KIVI"):
+        quantized.prune("q", [(8, 16)], 2)
 
 
 def test_a_prune_of_state_in_use_is_blocked_then_runs_when_it_goes_idle():

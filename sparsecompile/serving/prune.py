@@ -172,6 +172,10 @@ class Pruner:
             raise PruneRejected(f"{rt.name} keeps every token in order (dense attention, or page / token selection "
                                 "over the full history, whose pages the prefix cache may share): it cannot prune; "
                                 "serve an eviction method (snapkv, pyramidkv, h2o, streamingllm, kvzip) to prune")
+        if rt.storage is not None:
+            raise PruneRejected(f"{rt.name} stores KV quantized in groups of tokens (KIVI): removing entries from a "
+                                "range would re-quantize the groups around them; prune under the policy alone "
+                                "(snapkv, pyramidkv, h2o, streamingllm, kvzip)")
         if spec.policy not in POLICIES:
             raise PruneRejected(f"unknown policy {spec.policy!r}; use one of {', '.join(POLICIES)}")
         if isinstance(spec.keep_tokens, bool) or not isinstance(spec.keep_tokens, int) or spec.keep_tokens < 0:
