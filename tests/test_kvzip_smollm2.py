@@ -77,7 +77,7 @@ def test_pruning_another_tool_result_keeps_an_old_passkey(smollm2):
     assert llm.prune("drop", [(lo, hi)], keep_tokens=0).removed_entries == 30 * 3 * (hi - lo)
     llm.prune("keep20", [(lo, hi)], keep_tokens=int(0.2 * (hi - lo)), policy="kvzip")
     question = history + segment("What is the pass key from tool result 1? Answer with the number only.")
-    outs = llm.generate([question] * 3, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False,
+    outs = llm.generate([question] * 3, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False,
                         chain_ids=["main", "drop", "keep20"])
     assert [o.metrics.compressed_history for o in outs] == [False, True, True]
     assert [_found(tokenizer, o.outputs[0].token_ids) for o in outs] == [True, True, True]

@@ -180,6 +180,9 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
                 f"{policy.name} alone")
     if policy.uses_decode_lse or policy.uses_prefill_lse:
         return f"{policy.name} scores by re-reading every resident key, which KIVI pages do not offer in full precision"
+    if policy.needs_prompt_tokens:
+        return (f"{policy.name} scores in extra passes that re-read the prompt over the resident keys, which KIVI "
+                f"pages do not offer in full precision. Use {policy.name} alone, or snapkv+kivi")
     return None
 
 
