@@ -231,7 +231,8 @@ def test_option_errors_and_compositions():
         sparsecompile.optimize(model, "snapkv+kivi", budget=8, group_size=16, interval=2)
     for name, reason in (("quest+kivi", "selects pages"), ("omnikv+kivi", "selects pages"),
                          ("h2o+kivi", "evicts resident tokens during decode"),
-                         ("streamingllm+kivi", "evicts resident tokens during decode"), ("kvzip+kivi", "re-read the prompt"),
+                         ("streamingllm+kivi", "evicts resident tokens during decode"),
+                         ("kvzip+kivi", "re-read the prompt"),
                          ("kivi+snapkv", "write the retention policy first"), ("kivi+kivi", "already stores"),
                          ("snapkv+int8", "not a storage format"), ("a+b+c", "one retention policy")):
         with pytest.raises(MethodConfigError, match=reason):
