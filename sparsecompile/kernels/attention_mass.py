@@ -317,3 +317,36 @@ def attention_mass_triton(out: torch.Tensor, query: torch.Tensor, k_pool: torch.
         HEADS_OUT=group if target == TO_HEAD else 1, SKIP=cfg.get("skip", True) and rows > block_m,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def view_scores_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                          lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                          sliding_window: int, reduce: int, target: int) -> torch.Tensor:
+    """Mass per view column over the whole view capacity: ``[batch, heads, entries * block_size]`` fp32, 0 past the
+    used slots; ``heads`` is q_heads for ``TO_HEAD``, kv_heads for ``TO_KV_HEAD`` (also reduced over the group)."""
+    batch, q_heads = query.shape[:2]
+    kv_heads = k_pool.shape[1]
+    mass, _, _ = attention_mass_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                          sliding_window, reduce=reduce)
+    if target == TO_KV_HEAD:
+        mass = mass.view(batch, kv_heads, q_heads // kv_heads, -1)
+        mass = mass.amax(2) if reduce == MAX else mass.sum(2)
+    width = index.shape[-1] * block_size
+    out = torch.zeros(batch, mass.shape[1], width, dtype=torch.float32, device=query.device)
+    span = min(width, mass.shape[-1])
+    out[..., :span] = mass[..., :span]
+    return out
+
+
+def view_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                       lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                       sliding_window: int, reduce: int, target: int, lse_config: dict | None = None,
+                       mass_config: dict | None = None) -> torch.Tensor:
+    """Triton launches (the queries' lse, then the mass pass) with the semantics of :func:`view_scores_reference`."""
+    heads = k_pool.shape[1] if target == TO_KV_HEAD else query.shape[1]
+    out = torch.zeros(query.shape[0], heads, index.shape[-1] * block_size, dtype=torch.float32, device=query.device)
+    lse = attention_lse_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                               sliding_window, config=lse_config)
+    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, lse, block_size, scale,
+                          sliding_window, reduce, target, config=mass_config)
+    return out
