@@ -28,6 +28,7 @@ import glob
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -175,11 +176,23 @@ def _select(entries: list[dict], limit: int) -> list[dict]:
 
 
 def _first_error(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    # CompilationError: "at L:C:", the source lines, then the message; keep the location and the message
-    if lines and lines[0].startswith("at ") and len(lines) > 1:
-        return f"{type(exc).__name__} {lines[0]} {lines[-1]}"[:300]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+    """The innermost error's message with the chain of ``at line:col`` of the jit functions it passed through."""
+    where, chain = [], [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    message = ""
+    for c in chain:
+        lines = [ln.strip() for ln in str(c).splitlines() if ln.strip()]
+        if lines and lines[0].startswith("at ") and lines[0].endswith(":"):
+            name = re.search(r"def (\w+)", str(getattr(c, "src", "") or ""))
+            where.append(f"{name.group(1) if name else '?'} {lines[0][3:-1]}")
+            tail = [ln for ln in lines[1:] if ln != "^" and not ln.startswith("^")]
+            if len(lines) > 1 and not lines[-1].startswith("^"):
+                message = f"{type(c).__name__}: {lines[-1]}" if tail else message
+        elif lines:
+            message = f"{type(c).__name__}: {lines[0]}"
+    loc = f"[at {' -> '.join(where)}] " if where else ""
+    return f"{loc}{message or type(exc).__name__}"[:400]
 
 
 def _compile_all(records: list[dict], limit: int, variants: bool, specialize: bool, out_path: str | None) -> int:
