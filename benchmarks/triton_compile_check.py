@@ -12,8 +12,11 @@ and AOT-compiles each with ``triton.compile(ASTSource(...), target=GPUTarget("cu
 specialising arguments the way a real launch does (ints equal to 1 become constexprs; pointers and ints
 divisible by 16 get ``tt.divisibility``). The tests run fp32 (the interpreter's bf16 dot is wrong), so each
 kept signature with fp32 pointers is compiled again with every fp32 pointer switched to bf16 and to fp16
-(variants ``bf16`` / ``fp16``, reported on their own lines; pointers that stay fp32 on the GPU, e.g. lse or
-score buffers, are switched too, so a variant failure may not be a real launch).
+(variants ``bf16`` / ``fp16``, reported on their own lines, with ``--variant-constexpr`` overrides, default
+``IEEE=False`` as the wrappers pass for non-fp32 queries; pointers that stay fp32 on the GPU, e.g. lse or
+score buffers, are switched too, so a variant failure may not be a real launch). The signatures are the
+tests' toy ones: a toy tile can fail where the GPU config would not (``tl.dot`` needs K >= 16 for bf16/fp16
+and K >= 8 for fp32, e.g. the prefill tests' ``block_n`` 8 and 2), so read a FAIL together with its constexprs.
 
 One line per (kernel, variant): name, number of signatures, OK / FAIL with the first error. Exit status 1
 on any failure. ``--out`` writes one JSON line per compile. Uses only ``ASTSource`` / ``GPUTarget`` /
@@ -195,7 +198,8 @@ def _first_error(exc: BaseException) -> str:
     return f"{loc}{message or type(exc).__name__}"[:400]
 
 
-def _compile_all(records: list[dict], limit: int, variants: bool, specialize: bool, out_path: str | None) -> int:
+def _compile_all(records: list[dict], limit: int, variants: bool, specialize: bool, out_path: str | None,
+                 variant_const: dict) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -221,16 +225,17 @@ def _compile_all(records: list[dict], limit: int, variants: bool, specialize: bo
                 continue
             for variant, dtype in [("recorded", None)] + ([("bf16", "bf16"), ("fp16", "fp16")] if variants else []):
                 if dtype is None:
-                    sig_v = sig
+                    sig_v, const_v = sig, const
                 elif "*fp32" in sig.values():
                     sig_v = {k: ("*" + dtype if v == "*fp32" else v) for k, v in sig.items()}
+                    const_v = {k: variant_const.get(k, v) for k, v in const.items()}
                 else:
                     continue
-                key = json.dumps([variant, sig_v, {k: str(v) for k, v in const.items()},
+                key = json.dumps([variant, sig_v, {k: str(v) for k, v in const_v.items()},
                                   sorted(map(str, attrs.items())), e["options"]], sort_keys=True)
                 if key not in done:
                     done.add(key)
-                    jobs[variant].append((sig_v, const, attrs, e["options"]))
+                    jobs[variant].append((sig_v, const_v, attrs, e["options"]))
         for variant, items in jobs.items():
             ok, errors, seconds = 0, [], 0.0
             for item in items:
@@ -272,6 +277,9 @@ def main() -> int:
     parser.add_argument("--package", default="sparsecompile.kernels", help="record kernels of this module prefix")
     parser.add_argument("--max-per-kernel", type=int, default=6, help="signatures compiled per kernel")
     parser.add_argument("--no-variants", action="store_true", help="skip the bf16 / fp16 re-compiles")
+    parser.add_argument("--variant-constexpr", action="append", default=None, metavar="NAME=VALUE",
+                        help="constexpr overridden in the bf16/fp16 variants where the kernel has it (default "
+                             "IEEE=False: the wrappers pass IEEE=(query is fp32))")
     parser.add_argument("--no-specialize", action="store_true", help="no ==1 / divisibility specialisation")
     parser.add_argument("-k", dest="keyword", help="passed to pytest -k")
     parser.add_argument("--keep-cache", action="store_true", help="use the default Triton cache")
@@ -302,8 +310,13 @@ def main() -> int:
         if not args.keep_cache:
             os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton-cache")
         t1 = time.perf_counter()
+        variant_const = {}
+        for item in args.variant_constexpr if args.variant_constexpr is not None else ["IEEE=False"]:
+            name, _, value = item.partition("=")
+            variant_const[name] = json.loads(value.lower()) if value.lower() in ("true", "false", "null") or \
+                value.lstrip("-").isdigit() else value
         failures = _compile_all(records, args.max_per_kernel, not args.no_variants, not args.no_specialize,
-                                args.out)
+                                args.out, variant_const)
         print(f"compile phase {time.perf_counter() - t1:.0f}s, total {time.perf_counter() - t0:.0f}s, "
               f"{failures} failed compile(s)")
     return 1 if failures else 0
