@@ -83,26 +83,13 @@ def role_first_token(args) -> dict:
                 llm.llm_engine.controller._compiled_decode.graphs)}
 
 
-def _timed(step, warmup: int, steps: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
-
-
 def role_decode_artifact(args) -> dict:
     import torch
 
     import sparsecompile
 
     sys.path.insert(0, str(HERE))
-    from decode import _fill_synthetic
+    from decode import _fill_synthetic, _timed_window
 
     engine = sparsecompile.load(args.dir).llm_engine
     controller = engine.controller
@@ -118,7 +105,7 @@ def role_decode_artifact(args) -> dict:
         ids = logits[:, -1].argmax(-1, keepdim=True)
         pos.add_(1)
 
-    step_s = _timed(step, args.warmup, args.steps)
+    step_s = _timed_window(step, args.warmup, args.steps) / args.steps
     replayed = bucket in controller._compiled_decode.graphs
     controller.release_rows(rows)
     return {"tok_s": round(args.batch / step_s, 1), "step_ms": round(step_s * 1e3, 3), "graph_replay": replayed,

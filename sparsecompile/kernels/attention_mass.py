@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .pool import gather_slots, launch_inputs, used_view_slots, visibility
+from .tiles import load_rows, query_rows, view_rows, visible
 
 try:
     import triton
@@ -113,20 +114,8 @@ if triton is not None:
                   BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
         """The view slots ``start + [0, BLOCK_N)`` of one (sequence, kv_head) list (``INDEX`` points at it):
         keys ``[BLOCK_N, BLOCK_D]``, positions (-1 past ``length``), pool rows and the in-list mask."""
-        j = start + tl.arange(0, BLOCK_N)
-        jmask = j < length
-        if BLOCK == PAGE and BLOCK_N % PAGE == 0 and (PAGE & (PAGE - 1)) == 0:
-            # page view: one index load per page, PAGE contiguous slots each (start is page-aligned)
-            e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
-            page_ids = tl.load(INDEX + e, mask=e * PAGE < length, other=0)
-            first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
-            base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
-        else:
-            entry = tl.load(INDEX + j // BLOCK, mask=jmask, other=0)
-            slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-            base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-        row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
-        k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        base, row_ptr, jmask = view_rows(INDEX, start, length, h, KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+        k = load_rows(K, row_ptr, jmask, d, dmask)
         kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int32)  # int32 compares are cheaper than int64
         return k, kpos, base, jmask
 
@@ -137,10 +126,8 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        vis = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-        if window > 0:
-            vis = vis & (kpos[None, :] > qpos[:, None] - window)
-        return (s.to(tl.float32) * c).to(tl.float32), vis  # (a Python float arrives as fp64 under inductor)
+        # (a Python float arrives as fp64 under inductor)
+        return (s.to(tl.float32) * c).to(tl.float32), visible(kpos, qpos, window)
 
     @triton.jit
     def _lse_kernel(Q, K, POS, INDEX, LENGTHS, QPOS, MID, stride_qb, stride_qh, stride_qt, stride_ib, stride_ih,
@@ -157,14 +144,9 @@ if triton is not None:
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
-        t = rows // GROUP
-        qh = h * GROUP + rows % GROUP
-        row_ok = t < num_queries
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < HEAD_DIM
-        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
-        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+        q, qpos, t, qh, row_ok, d, dmask = query_rows(Q, QPOS, b, h, rows, stride_qb, stride_qh, stride_qt, stride_pb,
+                                                      num_queries, GROUP, HEAD_DIM, BLOCK_D)
+        qpos = qpos.to(tl.int32)
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
         per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N  # page-aligned split bounds
         lo = split * per_split
@@ -335,3 +317,36 @@ def attention_mass_triton(out: torch.Tensor, query: torch.Tensor, k_pool: torch.
         HEADS_OUT=group if target == TO_HEAD else 1, SKIP=cfg.get("skip", True) and rows > block_m,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def view_scores_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                          lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                          sliding_window: int, reduce: int, target: int) -> torch.Tensor:
+    """Mass per view column over the whole view capacity: ``[batch, heads, entries * block_size]`` fp32, 0 past the
+    used slots; ``heads`` is q_heads for ``TO_HEAD``, kv_heads for ``TO_KV_HEAD`` (also reduced over the group)."""
+    batch, q_heads = query.shape[:2]
+    kv_heads = k_pool.shape[1]
+    mass, _, _ = attention_mass_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                          sliding_window, reduce=reduce)
+    if target == TO_KV_HEAD:
+        mass = mass.view(batch, kv_heads, q_heads // kv_heads, -1)
+        mass = mass.amax(2) if reduce == MAX else mass.sum(2)
+    width = index.shape[-1] * block_size
+    out = torch.zeros(batch, mass.shape[1], width, dtype=torch.float32, device=query.device)
+    span = min(width, mass.shape[-1])
+    out[..., :span] = mass[..., :span]
+    return out
+
+
+def view_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                       lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                       sliding_window: int, reduce: int, target: int, lse_config: dict | None = None,
+                       mass_config: dict | None = None) -> torch.Tensor:
+    """Triton launches (the queries' lse, then the mass pass) with the semantics of :func:`view_scores_reference`."""
+    heads = k_pool.shape[1] if target == TO_KV_HEAD else query.shape[1]
+    out = torch.zeros(query.shape[0], heads, index.shape[-1] * block_size, dtype=torch.float32, device=query.device)
+    lse = attention_lse_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                               sliding_window, config=lse_config)
+    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, lse, block_size, scale,
+                          sliding_window, reduce, target, config=mass_config)
+    return out

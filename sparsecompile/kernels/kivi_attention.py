@@ -20,6 +20,7 @@ import torch
 from .kivi_quant import dequantize_keys, dequantize_values, storage_bits, triton_supported, unpack_codes
 from .library import define_op
 from .pool import launch_inputs, visibility
+from .tiles import natural_lse, query_rows, softmax_step, visible
 
 try:
     import triton
@@ -120,13 +121,10 @@ if triton is not None:
         PER_WORD: tl.constexpr = 32 // BITS
         W: tl.constexpr = D // PER_WORD
         rows = tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
-        t = rows // GROUP
-        qh = h * GROUP + rows % GROUP
-        row_ok = t < num_queries
-        d = tl.arange(0, D)
-        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
-        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int64)
+        q, qpos, t, qh, row_ok, d, _ = query_rows(Q, QPOS, b, h, rows, stride_qb, stride_qh, stride_qt, stride_pb,
+                                                  num_queries, GROUP, D, D)
+        q = q.to(tl.float32)
+        qpos = qpos.to(tl.int64)
         qk_scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
         quant = tl.load(QUANT + b).to(tl.int32)
@@ -170,15 +168,8 @@ if triton is not None:
                     s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
             s = s * qk_scale
             kpos = tl.load(POS + slot, mask=tm, other=-1).to(tl.int64)
-            vis = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-            if window > 0:
-                vis = vis & (kpos[None, :] > qpos[:, None] - window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            s = tl.where(visible(kpos, qpos, window), s, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             vcodes = _unpack(tl.load(VC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
                              PER_WORD, BITS)
             # each channel reads its group's scale and zero (repeated addresses: one fetch per group)
@@ -190,7 +181,6 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
-            m_i = m_new
         ring_row = tl.load(RROWS + b).to(tl.int64)
         ring = ring_row * stride_rr + h * stride_rh
         for start in range(tl.maximum(lo, quant), hi, BLOCK_F):  # the full-precision residual
@@ -206,28 +196,19 @@ if triton is not None:
             else:
                 s = tl.dot(q.to(k.dtype), tl.trans(k))
             s = s * qk_scale
-            vis = jm[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-            if window > 0:
-                vis = vis & (kpos[None, :] > qpos[:, None] - window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            s = tl.where(jm[None, :] & visible(kpos, qpos, window), s, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS == 1:
             tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
                      out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
         else:
             mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-            tl.store(MID_LSE + mid, lse, mask=row_ok)
+            tl.store(MID_LSE + mid, natural_lse(m_i, l_i), mask=row_ok)
             tl.store(MID_O + mid[:, None] * D + d[None, :], out, mask=row_ok[:, None])
 
 

@@ -18,14 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_mass import (
-    MAX,
-    TO_KV_HEAD,
-    attention_lse_triton,
-    attention_mass_reference,
-    attention_mass_triton,
-    triton,
-)
+from .attention_mass import MAX, TO_KV_HEAD, triton, view_scores_reference, view_scores_triton
 from .library import define_op
 
 
@@ -43,16 +36,8 @@ def kvzip_scores_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: 
         ``[batch, kv_heads, entries * block_size]`` fp32, column ``j`` = the view's ``j``-th slot (0 past
         ``lengths`` and where no query sees the slot).
     """
-    batch, q_heads = query.shape[:2]
-    kv_heads = k_pool.shape[1]
-    width = index.shape[-1] * block_size
-    mass, _, _ = attention_mass_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                                          sliding_window, reduce=MAX)
-    mass = mass.view(batch, kv_heads, q_heads // kv_heads, -1).amax(2)
-    out = torch.zeros(batch, kv_heads, width, dtype=torch.float32, device=query.device)
-    span = min(width, mass.shape[-1])
-    out[..., :span] = mass[..., :span]
-    return out
+    return view_scores_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                 sliding_window, MAX, TO_KV_HEAD)
 
 
 def kvzip_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
@@ -60,13 +45,8 @@ def kvzip_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: tor
                         sliding_window: int, lse_config: dict | None = None,
                         mass_config: dict | None = None) -> torch.Tensor:
     """Triton launch with the semantics of :func:`kvzip_scores_reference` (configs: see :mod:`attention_mass`)."""
-    out = torch.zeros(query.shape[0], k_pool.shape[1], index.shape[-1] * block_size, dtype=torch.float32,
-                      device=query.device)
-    lse = attention_lse_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                               sliding_window, config=lse_config)
-    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, lse, block_size, scale,
-                          sliding_window, MAX, TO_KV_HEAD, config=mass_config)
-    return out
+    return view_scores_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                              sliding_window, MAX, TO_KV_HEAD, lse_config, mass_config)
 
 
 def _fake(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):

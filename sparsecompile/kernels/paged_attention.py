@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .library import define_op
 from .pool import gather_slots, launch_inputs, used_view_slots, visibility
+from .tiles import load_rows, natural_lse, query_rows, softmax_step, view_rows, visible
 
 try:
     import triton
@@ -87,14 +88,9 @@ if triton is not None:
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
-        t = rows // GROUP
-        qh = h * GROUP + rows % GROUP
-        row_ok = t < num_queries
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < HEAD_DIM
-        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
-        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int64)
+        q, qpos, t, qh, row_ok, d, dmask = query_rows(Q, QPOS, b, h, rows, stride_qb, stride_qh, stride_qt, stride_pb,
+                                                      num_queries, GROUP, HEAD_DIM, BLOCK_D)
+        qpos = qpos.to(tl.int64)
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
         # Split this list's actual length evenly (in BLOCK_N multiples): work follows lengths, not capacity.
         tokens_per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -104,53 +100,32 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jmask = j < hi
-            if BLOCK == PAGE and BLOCK_N % PAGE == 0:
-                # page view: one index load per page, PAGE contiguous slots each (start is page-aligned)
-                e = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
-                page_ids = tl.load(INDEX + b * stride_ib + h * stride_ih + e, mask=e * PAGE < hi, other=0)
-                first = (page_ids.to(tl.int64) * KV_HEADS + h) * PAGE
-                base = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], (BLOCK_N,))
-            else:
-                entry = tl.load(INDEX + b * stride_ib + h * stride_ih + j // BLOCK, mask=jmask, other=0)
-                slot = entry.to(tl.int64) * BLOCK + j % BLOCK
-                base = ((slot // PAGE) * KV_HEADS + h) * PAGE + slot % PAGE
-            row_ptr = tl.multiple_of(base * HEAD_DIM, HEAD_DIM)
-            k = tl.load(K + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(V + row_ptr[:, None] + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            base, row_ptr, jmask = view_rows(INDEX + b * stride_ib + h * stride_ih, start, hi, h, KV_HEADS, PAGE,
+                                             BLOCK, HEAD_DIM, BLOCK_N)
+            k = load_rows(K, row_ptr, jmask, d, dmask)
+            v = load_rows(V, row_ptr, jmask, d, dmask)
             kpos = tl.load(POS + base, mask=jmask, other=-1).to(tl.int64)
             if IEEE:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
             s = s.to(tl.float32) * scale
-            vis = jmask[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-            if window > 0:
-                vis = vis & (kpos[None, :] > qpos[:, None] - window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            s = tl.where(jmask[None, :] & visible(kpos, qpos, window), s, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS == 1:
             tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
                      out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
             if WRITE_LSE:  # [batch, q_heads, queries], natural log; -inf where the query sees nothing
-                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-                tl.store(LSE + (b * (KV_HEADS * GROUP) + qh) * num_queries + t, lse, mask=row_ok)
+                tl.store(LSE + (b * (KV_HEADS * GROUP) + qh) * num_queries + t, natural_lse(m_i, l_i), mask=row_ok)
         else:
             # partials laid out [batch, q_heads, queries, NUM_SPLITS, (HEAD_DIM)]
             mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-            tl.store(MID_LSE + mid, lse, mask=row_ok)
+            tl.store(MID_LSE + mid, natural_lse(m_i, l_i), mask=row_ok)
             tl.store(MID_O + mid[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & dmask[None, :])
 
     @triton.jit

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_mass import SUM, TO_HEAD, attention_lse_triton, attention_mass_reference, attention_mass_triton, triton
+from .attention_mass import SUM, TO_HEAD, triton, view_scores_reference, view_scores_triton
 from .library import define_op
 
 
@@ -28,14 +28,8 @@ def snapkv_scores_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool:
     Returns:
         ``[batch, q_heads, entries * block_size]`` fp32, column ``j`` = the view's ``j``-th slot (0 past ``lengths``).
     """
-    batch, q_heads = query.shape[:2]
-    width = index.shape[-1] * block_size
-    mass, _, _ = attention_mass_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                                          sliding_window)
-    out = torch.zeros(batch, q_heads, width, dtype=torch.float32, device=query.device)
-    span = min(width, mass.shape[-1])
-    out[..., :span] = mass[..., :span]
-    return out
+    return view_scores_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                 sliding_window, SUM, TO_HEAD)
 
 
 def snapkv_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
@@ -43,13 +37,8 @@ def snapkv_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: to
                          sliding_window: int, lse_config: dict | None = None,
                          mass_config: dict | None = None) -> torch.Tensor:
     """Triton launch with the semantics of :func:`snapkv_scores_reference` (configs: see :mod:`attention_mass`)."""
-    batch, q_heads = query.shape[:2]
-    out = torch.zeros(batch, q_heads, index.shape[-1] * block_size, dtype=torch.float32, device=query.device)
-    lse = attention_lse_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
-                               sliding_window, config=lse_config)
-    attention_mass_triton(out, query, k_pool, pos_pool, index, lengths, q_positions, lse, block_size, scale,
-                          sliding_window, SUM, TO_HEAD, config=mass_config)
-    return out
+    return view_scores_triton(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                              sliding_window, SUM, TO_HEAD, lse_config, mass_config)
 
 
 def _fake(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
