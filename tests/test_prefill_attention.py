@@ -144,3 +144,26 @@ def test_dense_helper_is_causal_attention_over_the_steps_own_keys():
 def test_opcheck():
     case = prefill_case([13, 6], [7, 3], evict=True, seed=7)
     torch.library.opcheck(torch.ops.sparsecompile.paged_prefill_attention.default, tuple(case.values()))
+
+
+def test_cpu_op_takes_the_flash_kernel_on_host_vouched_steps():
+    """The CPU op's fast path (``known_length`` vouched by the host): a chunk after a prefix reads the gathered view,
+    a whole prompt its own K/V; both equal the reference, and the reference still answers unvouched steps."""
+    chunk = prefill_case([13, 13], [7, 7], seed=6)
+    _assert_matches(paged_prefill_attention(**chunk, known_length=20), prefill_attention_reference(**chunk))
+    whole = prefill_case([0, 0], [9, 9], seed=7)
+    key = gather_view_of(whole, "k_pool", 9)
+    value = gather_view_of(whole, "v_pool", 9)
+    _assert_matches(paged_prefill_attention(**whole, known_length=9, key=key, value=value),
+                    prefill_attention_reference(**whole))
+    garbage = torch.randn_like(key)  # proves the whole-prompt path reads the given K/V, not the pool
+    out, _ = paged_prefill_attention(**whole, known_length=9, key=garbage, value=value)
+    assert not torch.allclose(out, prefill_attention_reference(**whole)[0])
+    padded = prefill_case([13, 6], [7, 7], seed=8)
+    _assert_matches(paged_prefill_attention(**padded), prefill_attention_reference(**padded))
+
+
+def gather_view_of(case: dict, pool: str, n: int) -> torch.Tensor:
+    from sparsecompile.kernels.prefill_attention import gather_view
+
+    return gather_view(case[pool], case["index"], case["block_size"], n)
