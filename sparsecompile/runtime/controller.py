@@ -212,9 +212,10 @@ class SparseController:
         ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
         if step.scorer is not None:  # a scoring pass: dense over everything resident, the scorer instead of hooks
             ctx.view = view = m.build_view(layer, step, None)
-            out, ctx.lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
-                                                   view.lengths, step.positions, step.num_new, view.block_size,
-                                                   scale, sliding_window)
+            known = step.dense_lengths[layer] if step.dense_lengths else -1
+            out, _ = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index, view.lengths,
+                                             step.positions, step.num_new, view.block_size, scale, sliding_window,
+                                             known, False)
             step.scorer.on_attention_end(ctx, out)
             return out
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
@@ -344,6 +345,7 @@ class SparseController:
         step = StepState.build(rows, valid, positions, is_prefill=True, is_last_chunk=False, device=device)
         step.scorer = scorer
         before = self._make_room(step)
+        step.dense_lengths = self._dense_lengths(step, before)  # the pass reads densely: the fast attention paths
         try:
             if m.has_shared_rows(rows):  # appends only: the shared tail pages are copied
                 short = m.pages_to_copy(rows, before) - m.allocator.num_free
