@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ..models.default_model import sha256_of
+
 FORMAT = "sparsecompile-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -44,14 +46,6 @@ _FINGERPRINTED = ("format_version", "form", "versions", "device", "model", "meth
 
 class ArtifactError(RuntimeError):
     """An artifact cannot be loaded here; the message says why and what to do."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def safetensors_header_digest(path: Path) -> str:
@@ -98,7 +92,7 @@ def fingerprint(manifest: dict[str, Any], root: Path) -> str:
 
 
 def hash_files(root: Path, names: list[str]) -> dict[str, str]:
-    return {name: sha256_file(root / name) for name in sorted(names)}
+    return {name: sha256_of(root / name) for name in sorted(names)}
 
 
 def write(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +143,7 @@ def check(manifest: dict[str, Any], root: Path, device: torch.device, *, verify_
         path = root / name
         if not path.exists():
             raise ArtifactError(f"the artifact lacks {name}, which its manifest lists; copy the whole directory")
-        got = sha256_file(path)
+        got = sha256_of(path)
         if got != sha:
             raise ArtifactError(f"{name} does not match the manifest (sha256 {got[:16]}..., expected {sha[:16]}...): "
                                 "the artifact was modified after export; export it again")

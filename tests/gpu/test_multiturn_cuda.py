@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_chain_cache import generate_turns  # noqa: E402
 from tiny_models import tiny_pair  # noqa: E402
 
 import sparsecompile  # noqa: E402
@@ -40,26 +41,13 @@ def _cuda_pair():
     return reference.cuda(), candidate.cuda()
 
 
-def _generate_turns(model, parts):
-    cache, ids, outs = None, None, []
-    for part in parts:
-        tail = torch.tensor([part], device="cuda")
-        ids = tail if ids is None else torch.cat([ids, torch.tensor([outs[-1]], device="cuda"), tail], dim=1)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=T,
-                             do_sample=False, return_dict_in_generate=True, pad_token_id=0)
-        cache = out.past_key_values
-        outs.append(out.sequences[0, ids.shape[1]:].tolist())
-    cache.release()
-    return outs
-
-
 @pytest.mark.parametrize("method,options", [("snapkv", {"budget": 96, "window": 8}), ("h2o", {"budget": 96}),
                                             ("kvzip", {"budget": 96, "chunk": 64})])
 def test_chain_continuation_with_cuda_graph_decode_equals_generate(method, options):
     reference, candidate = _cuda_pair()
     sparsecompile.optimize(reference, method, **ENGINE, **options)
     parts = _prompts([150, 90, 70], seed=1)
-    want = _generate_turns(reference, parts)
+    want = generate_turns(reference, parts, device="cuda")
     llm = LLM(candidate, method, tokenizer=Digits(), max_num_seqs=4, cuda_graph_sizes=[4], **ENGINE, **options)
     got, prompt = [], []
     for part in parts:
