@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 
 PASSKEY = "68213"
 # depth -> retrieved by (the unpatched model, kvzip global, kvzip uniform), ratio 0.3, measured on CPU in fp32
-DEPTH_MATRIX = {0.2: (True, True, False)}
+# (benchmarks/kvzip_passkey.py, benchmarks/results/kvzip_passkey_cpu.jsonl; SnapKV at 0.3 retrieves at all three);
+# uniform selection (30 % in every layer and head) answers near misses ("67", "683", "6832"); global lets them differ
+DEPTH_MATRIX = {0.2: (True, True, False), 0.5: (True, True, False), 0.8: (True, True, False)}
 
 
 def _found(tokenizer, ids) -> bool:

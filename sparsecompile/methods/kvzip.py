@@ -22,8 +22,9 @@ re-read (no extra cost). Sliding-window layers keep everything.
 Token ids of the lead-ins: ``sparsecompile.LLM`` fills ``repeat_ids`` / ``continue_ids`` from its tokenizer
 (``text_options``); ``optimize()`` users pass them (``tokenizer.encode(REPEAT_TEXT, add_special_tokens=False)``).
 Without them (the tokenizer-less default) the passes have no instruction tokens: the first chunk is re-read as is
-and later chunks after the previous chunk's last ``lead_in`` tokens. Cost: each re-read is a prefill of the prompt
-again (plus the lead-ins); a prompt's prefill roughly doubles (README gives measured figures).
+and later chunks after the previous chunk's last ``lead_in`` tokens. Cost: the re-read is a second prefill of the
+prompt (plus the lead-ins) and its scores; measured 6.4x vanilla's prefill on CPU at 3K tokens, where the scores'
+torch reference dominates (README, ``benchmarks/kvzip_passkey.py``).
 """
 
 from __future__ import annotations
