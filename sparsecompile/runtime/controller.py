@@ -22,23 +22,13 @@ from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_notice, compile_step
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
+from .row_ops import RowOperations, capacity_bucket
 from .step import StepState
 
 InnerForward = Callable[..., torch.Tensor]
 
 
-def _bucket(n: int) -> int:
-    """Round ``n`` up to one of 32 sizes per power of two (<= 3.2 % waste: a 128K prompt's pool is 16 GiB on the
-    8B shape, and prefill memory must not exceed HF's), so capacities, and the compiled graphs that depend on them,
-    change rarely."""
-    n = max(1, n)
-    if n <= 32:
-        return 1 << math.ceil(math.log2(n))
-    step = 1 << (n.bit_length() - 6)
-    return -(-n // step) * step
-
-
-class SparseController:
+class SparseController(RowOperations):
     """Lifecycle driver for one patched model (see module docstring)."""
 
     def __init__(self, runtime: SparseMethod, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -79,8 +69,8 @@ class SparseController:
         pages = batch * self.oracle.pages_for(per_seq)
         widest = math.ceil(max(per_seq) / self.layout.page_size)
         if self.manager is None:
-            num_pages = self.config.num_pages or _bucket(pages)
-            self.manager = CacheManager(self.layout, num_pages, _bucket(batch), _bucket(widest))
+            num_pages = self.config.num_pages or capacity_bucket(pages)
+            self.manager = CacheManager(self.layout, num_pages, capacity_bucket(batch), capacity_bucket(widest))
             self.runtime.setup(self.manager)
             return
         m = self.manager
@@ -88,7 +78,8 @@ class SparseController:
         free = m.allocator.num_free
         short = pages > free and self.config.num_pages is None
         if rows > m.max_seqs or widest > m.max_pages_per_seq or short:
-            m.grow(_bucket(m.num_pages - free + pages) if short else m.num_pages, _bucket(rows), _bucket(widest))
+            grown = capacity_bucket(m.num_pages - free + pages) if short else m.num_pages
+            m.grow(grown, capacity_bucket(rows), capacity_bucket(widest))
             self._decode_steps.clear()
 
     def configure_pool(self, num_pages: int) -> None:
@@ -113,69 +104,6 @@ class SparseController:
         assert self.manager is not None, "reserve() first"
         return [self.manager.add_sequence() for _ in range(batch)]
 
-    def fork_rows(self, rows: list[int]) -> list[int]:
-        """New rows holding the same KV as ``rows`` (pages shared copy-on-write) and a copy of the method's per-row
-        state: writing to either never changes the other."""
-        if self.manager is None:
-            raise RuntimeError("nothing to fork: no sequence was prefilled yet")
-        m = self.manager
-        if len(m.live_rows) + len(rows) > m.max_seqs and self.config.num_pages is None:
-            m.grow(m.num_pages, _bucket(len(m.live_rows) + len(rows)), m.max_pages_per_seq)
-            self._decode_steps.clear()
-        forks = []
-        try:
-            for row in rows:
-                forks.append(m.fork_sequence(row))
-        except BaseException:
-            self.release_rows(forks)
-            raise
-        self.runtime.fork_rows(m, list(rows), forks)
-        return forks
-
-    def crop_rows(self, rows: list[int], counts: list[int]) -> None:
-        """Keep the first ``counts[i]`` slots of every layer of ``rows[i]`` (exact only when every token is
-        resident in order: ``keeps_all_tokens`` methods)."""
-        if not self.runtime.keeps_all_tokens:
-            raise ValueError(f"cannot crop a {self.runtime.name} cache: it evicts, so its slots no longer hold the "
-                             "tokens before a position in order (crop is exact for vanilla, quest and omnikv); "
-                             "fork() the cache before the step you want to undo instead")
-        m = self.manager
-        for row, count in zip(rows, counts):
-            for layer in range(self.layout.num_layers):
-                m.truncate(row, layer, min(count, int(m.slot_count_array([row])[0, layer])))
-        m.flush()
-        self.runtime.on_truncate(m, list(rows))
-
-    def drop_positions(self, rows: list[int], first: list[int]) -> None:
-        """Remove every resident token at logical position ``>= first[i]`` from ``rows[i]`` (host syncs: for API
-        calls such as ``compress(question_ids=...)``, not for steps). The removed tokens must be each list's newest
-        (true after a prefill: slots are in position order); a layer whose heads kept different numbers of them
-        keeps its slot count, the removed entries becoming empty slots (position -1, never attended)."""
-        m = self.manager
-        m.prepare_writes(list(rows), np.zeros((len(rows), self.layout.num_layers), dtype=np.int64))
-        m.flush()
-        for row, cut in zip(rows, first):
-            for layer in range(self.layout.num_layers):
-                positions = m.retained_positions(row, layer)
-                kept = [int((p < cut).sum()) for p in positions]
-                count = int(m.slot_count_array([row])[0, layer])
-                if len(set(kept)) == 1:
-                    m.truncate(row, layer, kept[0])
-                    continue
-                m.clear_positions(row, layer, count, cut)
-                m.truncate(row, layer, max(kept))
-        m.flush()
-        if self.runtime.keeps_all_tokens:
-            self.runtime.on_truncate(m, list(rows))
-
-    def release_rows(self, rows: list[int]) -> None:
-        if self.manager is None:
-            return
-        live = set(self.manager.live_rows)
-        for row in rows:
-            if row in live:
-                self.manager.release_sequence(row)
-
     def _make_room(self, step: StepState) -> np.ndarray:
         """Grow every layer's slot count by the step's new tokens (allocating pages; auto-grow the pool).
 
@@ -190,7 +118,7 @@ class SparseController:
                 raise
             need = m.pages_needed(step.row_ids, counts)
             widest = math.ceil(int(counts.max()) / self.layout.page_size)
-            m.grow(_bucket(m.allocator.num_used + need), m.max_seqs, _bucket(widest))
+            m.grow(capacity_bucket(m.allocator.num_used + need), m.max_seqs, capacity_bucket(widest))
             self._decode_steps.clear()
             m.ensure_slots(step.row_ids, counts)
         return before
@@ -261,7 +189,7 @@ class SparseController:
             from_slots = np.where(rewrites[:, None], 0, before)
             short = m.pages_to_copy(step.row_ids, from_slots) - m.allocator.num_free
             if short > 0 and self.config.num_pages is None:
-                m.grow(_bucket(m.num_pages + short), m.max_seqs, m.max_pages_per_seq)
+                m.grow(capacity_bucket(m.num_pages + short), m.max_seqs, m.max_pages_per_seq)
                 self._decode_steps.clear()
             m.prepare_writes(step.row_ids, from_slots)
         m.flush()
@@ -350,7 +278,7 @@ class SparseController:
             if m.has_shared_rows(rows):  # appends only: the shared tail pages are copied
                 short = m.pages_to_copy(rows, before) - m.allocator.num_free
                 if short > 0 and self.config.num_pages is None:
-                    m.grow(_bucket(m.num_pages + short), m.max_seqs, m.max_pages_per_seq)
+                    m.grow(capacity_bucket(m.num_pages + short), m.max_seqs, m.max_pages_per_seq)
                     self._decode_steps.clear()
                 m.prepare_writes(rows, before)
             m.flush()
