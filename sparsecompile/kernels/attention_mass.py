@@ -100,8 +100,10 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
         else:
             norm = lse[:, :, start:stop].float().reshape(logits.shape[:-1])
         # where(), not a product: a row that sees nothing has norm -inf and exp(-inf - -inf) = nan
-        p = torch.where(mask, torch.exp(logits - norm[..., None]), 0.0)
-        mass = mass + p.sum(3) if reduce == SUM else torch.maximum(mass, p.amax(3))
+        if reduce == SUM:
+            mass = mass + torch.where(mask, torch.exp(logits - norm[..., None]), 0.0).sum(3)
+        else:  # exp is monotonic: the max over queries of the log-probabilities, then one exp per slot
+            mass = torch.maximum(mass, torch.where(mask, logits - norm[..., None], -torch.inf).amax(3).exp())
     return mass.reshape(batch, q_heads, -1), slots, valid
 
 
