@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .config import OPTION_KINDS, ServingConfig, dtype_attribute
+from .methods.registry import fill_text_options
 from .optimize import optimize, split_method_options
 from .serving.engine import LLMEngine
 from .serving.outputs import RequestOutput, SamplingParams
@@ -122,7 +123,7 @@ class LLM:
             from .models.default_model import resolve_model_path
 
             serving.model_name = str(model_or_path) if model_or_path is not None else resolve_model_path(None).name
-        _fill_text_options(method, routed["method"], tokenizer)  # KVzip's lead-ins (no-op without a tokenizer)
+        fill_text_options(method, routed["method"], tokenizer)  # KVzip's lead-ins (TP ranks: their own tokenizer)
         if tp > 1:  # every rank builds its shard; rank 0 drives the others (sparsecompile/parallel.py)
             from .parallel import launch
 
@@ -273,18 +274,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
-
-
-def _fill_text_options(method: str, options: dict[str, Any], tokenizer) -> None:
-    """The method's token-id options that default to a text (KVzip's repeat prompt), from the tokenizer."""
-    from .methods.registry import method_class
-
-    encode = getattr(tokenizer, "encode", None)
-    if encode is None:
-        return
-    for name, text in method_class(method).config_class.text_options().items():
-        if options.get(name) is None:
-            try:
-                options[name] = list(encode(text, add_special_tokens=False))
-            except Exception:  # noqa: BLE001 - a tokenizer that cannot encode text: the method's default applies
-                return

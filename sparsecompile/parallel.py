@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .methods.registry import fill_text_options
 from .models.hf_patch import patched_model
 from .optimize import optimize
 from .runtime import distributed
@@ -57,7 +58,9 @@ class Replica:
 
             dtype = self.dtype or (torch.bfloat16 if self.cuda else torch.float32)
             model, tokenizer = load_model(self.source, dtype=dtype, device="cpu")  # optimize moves the shard
-        optimize(model, self.method, **self.options)
+        options = dict(self.options)
+        fill_text_options(self.method, options, tokenizer)  # every rank loaded the same tokenizer: the same ids
+        optimize(model, self.method, **options)
         return model, tokenizer
 
 

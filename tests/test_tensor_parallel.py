@@ -170,3 +170,18 @@ def test_refusals_that_need_no_process_group():
         sparsecompile.optimize(phi3, "vanilla", tp_size=2)
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
         sparsecompile.optimize(tiny(), "vanilla", tp_size=2)
+
+
+def test_each_rank_fills_kvzip_lead_ins_from_the_tokenizer_it_loads(tmp_path):
+    """A rank built from a path loads its own tokenizer: KVzip's repeat / continue prompts become its token ids."""
+    from tiny_tokenizer import save_tiny_model
+
+    from sparsecompile.methods.kvzip import CONTINUE_TEXT, REPEAT_TEXT
+    from sparsecompile.models.hf_patch import patched_model
+    from sparsecompile.parallel import Replica
+
+    save_tiny_model(tmp_path)
+    model, tokenizer = Replica(str(tmp_path), "kvzip", {"budget": 8}).build()
+    config = patched_model(model).controller.runtime.config
+    assert list(config.repeat_ids) == tokenizer.encode(REPEAT_TEXT, add_special_tokens=False)
+    assert list(config.continue_ids) == tokenizer.encode(CONTINUE_TEXT, add_special_tokens=False)

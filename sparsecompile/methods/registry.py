@@ -90,6 +90,21 @@ def option_owners(option: str) -> list[str]:
     return [name for name in available_methods() if option in method_class(name).config_class.option_names()]
 
 
+def fill_text_options(method: str, options: dict[str, Any], tokenizer) -> None:
+    """Fill, in ``options``, the method's token-id options that default to a text (KVzip's lead-ins) with
+    ``tokenizer``'s ids; options already given stay; no tokenizer (or one that cannot encode text): the method's
+    tokenizer-less default applies."""
+    encode = getattr(tokenizer, "encode", None)
+    if encode is None:
+        return
+    for name, text in method_class(method).config_class.text_options().items():
+        if options.get(name) is None:
+            try:
+                options[name] = list(encode(text, add_special_tokens=False))
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot encode text: the method's default applies
+                return
+
+
 def make_config(name: str, options: dict[str, Any]) -> MethodConfig:
     """Validate ``options`` for method ``name`` into its config dataclass (clear errors on bad input)."""
     cls = method_class(name)
