@@ -32,7 +32,6 @@ from .detokenizer import Detokenizer
 from .interface import ServedModel
 from .logprobs import LogprobRecorder
 from .outputs import (
-    CompletionOutput,
     RequestMetrics,
     RequestOutput,
     RequestRejected,
@@ -45,7 +44,7 @@ from .prune import Pruner, PruneResult, PruneSpec
 from .request_state import LiveSequence, RequestGroup
 from .reuse import KVReuse, ReuseStats, fingerprint
 from .sampling import TokenHistory, make_generator, sample
-from .scheduler import PrefillChunk, Request, Scheduler
+from .scheduler import PrefillChunk, Request, Scheduler, pack_chunks
 
 SERVING_PREFILL_CHUNK = 8192  # prompt tokens per step when prefill_chunk_size is not set (vLLM's default budget)
 
@@ -185,7 +184,7 @@ class LLMEngine:
         for live in list(group.seqs):
             if live.request.finish_reason is None:
                 self._finish(live, "abort", None)
-        self._aborted.append(self._output(group))
+        self._aborted.append(group.output())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._aborted)
@@ -395,41 +394,8 @@ class LLMEngine:
         for r in requests:
             self.reuse.preempted(r)
 
-    def _outputs(self, changed: list[LiveSequence]) -> list[RequestOutput]:
+    @staticmethod
+    def _outputs(changed: list[LiveSequence]) -> list[RequestOutput]:
         """One output per request with a changed sequence (in order of first change)."""
         groups = list({id(lv.group): lv.group for lv in changed}.values())
-        return [self._output(group) for group in groups]
-
-    def _output(self, group: RequestGroup) -> RequestOutput:
-        completions = []
-        for index in range(group.params.n):
-            if index >= len(group.seqs):  # aborted before its first token: nothing was sampled
-                completions.append(CompletionOutput(index, finish_reason="abort" if group.aborted else None))
-                continue
-            live = group.seqs[index]
-            r, d = live.request, live.detok
-            new_ids = r.output_ids[live.reported:]
-            live.reported = len(r.output_ids)
-            logprobs = None if live.logprobs is None else list(live.logprobs)
-            completions.append(CompletionOutput(index, d.text, list(r.output_ids), r.finish_reason, r.stop_reason,
-                                                d.delta(r.finish_reason is not None), new_ids, logprobs,
-                                                live.cumulative_logprob))
-        finished = all(c.finish_reason is not None for c in completions)
-        # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it;
-        # prompt_logprobs is complete (and no longer changes) once a request has an output
-        return RequestOutput(group.request_id, group.prompt, group.prompt_ids, completions, finished,
-                             replace(group.metrics), group.prompt_logprobs,
-                             chain_id=group.seqs[0].request.chain_id if group.seqs else None)
-
-
-def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[PrefillChunk]]:
-    """Group prompt chunks into padded batches: longest first, a group taking the next chunk while its padded size
-    (members x longest) stays within ``max_tokens`` (a single chunk may exceed it). Order inside the step does not
-    matter: each chunk belongs to a different request."""
-    groups: list[list[PrefillChunk]] = []
-    for chunk in sorted(chunks, key=lambda c: c.stop - c.start, reverse=True):
-        if groups and (len(groups[-1]) + 1) * (groups[-1][0].stop - groups[-1][0].start) <= max_tokens:
-            groups[-1].append(chunk)
-        else:
-            groups.append([chunk])
-    return groups
+        return [group.output() for group in groups]

@@ -3,12 +3,19 @@ of one prompt), a :class:`LiveSequence` one of those completions next to its sch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .detokenizer import Detokenizer
-from .outputs import PromptLogprobs, RequestMetrics, SampleLogprobs, SamplingParams
+from .outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    SamplingParams,
+)
 from .sampling import TokenHistory
 from .scheduler import Request
 
@@ -25,6 +32,28 @@ class RequestGroup:
     seqs: list[LiveSequence] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     aborted: bool = False
+
+    def output(self) -> RequestOutput:
+        """The request's state for its caller: every completion (this step's deltas since the last output)."""
+        completions = []
+        for index in range(self.params.n):
+            if index >= len(self.seqs):  # aborted before its first token: nothing was sampled
+                completions.append(CompletionOutput(index, finish_reason="abort" if self.aborted else None))
+                continue
+            live = self.seqs[index]
+            r, d = live.request, live.detok
+            new_ids = r.output_ids[live.reported:]
+            live.reported = len(r.output_ids)
+            logprobs = None if live.logprobs is None else list(live.logprobs)
+            completions.append(CompletionOutput(index, d.text, list(r.output_ids), r.finish_reason, r.stop_reason,
+                                                d.delta(r.finish_reason is not None), new_ids, logprobs,
+                                                live.cumulative_logprob))
+        finished = all(c.finish_reason is not None for c in completions)
+        # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it;
+        # prompt_logprobs is complete (and no longer changes) once a request has an output
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, finished,
+                             replace(self.metrics), self.prompt_logprobs,
+                             chain_id=self.seqs[0].request.chain_id if self.seqs else None)
 
     @property
     def done(self) -> bool:

@@ -385,3 +385,16 @@ def _summed(costs) -> dict[str, int]:
         for name, value in cost.items():
             total[name] = total.get(name, 0) + value
     return total
+
+
+def pack_chunks(chunks: list[PrefillChunk], max_tokens: int) -> list[list[PrefillChunk]]:
+    """Group prompt chunks into padded batches: longest first, a group taking the next chunk while its padded size
+    (members x longest) stays within ``max_tokens`` (a single chunk may exceed it). Order inside the step does not
+    matter: each chunk belongs to a different request."""
+    groups: list[list[PrefillChunk]] = []
+    for chunk in sorted(chunks, key=lambda c: c.stop - c.start, reverse=True):
+        if groups and (len(groups[-1]) + 1) * (groups[-1][0].stop - groups[-1][0].start) <= max_tokens:
+            groups[-1].append(chunk)
+        else:
+            groups.append([chunk])
+    return groups
