@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 DEFAULT_TESTS = ["tests/test_kernels.py", "tests/test_prefill_attention.py", "tests/test_mass_kernels.py",
                  "tests/test_eviction_kernels.py", "tests/test_kivi_kernels.py", "tests/test_selection_kernels.py"]
@@ -205,7 +206,7 @@ def _first_error(exc: BaseException) -> str:
 
 
 def _compile_all(records: list[dict], limit: int, variants: bool, specialize: bool, out_path: str | None,
-                 variant_const: dict) -> int:
+                 variant_const: dict, asm_dir: str | None = None) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -254,6 +255,9 @@ def _compile_all(records: list[dict], limit: int, variants: bool, specialize: bo
                         src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
                         kernel = triton.compile(src, target=target, options=dict(options))
                         error, size = None, len(kernel.asm["cubin"])
+                        if asm_dir is not None:  # for reading the code: instruction counts, loads per iteration
+                            name = f"{qualname}.{variant}.{len(os.listdir(asm_dir))}.ptx"
+                            (Path(asm_dir) / name).write_text(kernel.asm["ptx"])
                     except Exception as exc:
                         error, size = _first_error(exc), 0
                 dt = time.perf_counter() - t0
@@ -293,6 +297,7 @@ def main() -> int:
     parser.add_argument("--no-specialize", action="store_true", help="no ==1 / divisibility specialisation")
     parser.add_argument("-k", dest="keyword", help="passed to pytest -k")
     parser.add_argument("--keep-cache", action="store_true", help="use the default Triton cache")
+    parser.add_argument("--asm-dir", help="also write each compile's PTX here (static instruction counts)")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # internal: the child's record phase
     args = parser.parse_args()
     tests = args.tests or [t for t in DEFAULT_TESTS if glob.glob(t)]
@@ -326,7 +331,7 @@ def main() -> int:
             variant_const[name] = json.loads(value.lower()) if value.lower() in ("true", "false", "null") or \
                 value.lstrip("-").isdigit() else value
         failures = _compile_all(records, args.max_per_kernel, not args.no_variants, not args.no_specialize,
-                                args.out, variant_const)
+                                args.out, variant_const, args.asm_dir)
         print(f"compile phase {time.perf_counter() - t1:.0f}s, total {time.perf_counter() - t0:.0f}s, "
               f"{failures} failed compile(s)")
     return 1 if failures else 0

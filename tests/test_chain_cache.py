@@ -32,14 +32,14 @@ EVICTING = {  # budgets below the conversations' lengths: every turn compresses 
 SELECTING = {"vanilla": {}, "quest": {"budget": 16, "dense_layers": 0}, "omnikv": {"budget": 12, "filter_layers": "0"}}
 
 
-def generate_turns(model, parts: list[list[int]], device: str = "cpu") -> list[list[int]]:
+def generate_turns(model, parts: list[list[int]], device: str = "cpu", new_tokens: int = T) -> list[list[int]]:
     """One conversation through ``generate()``: each turn's prompt is the previous prompt + its output + the next
     part, continued from the returned cache (HF feeds only the unprocessed tail)."""
     cache, ids, outs = None, None, []
     for part in parts:
         tail = torch.tensor([part], device=device)
         ids = tail if ids is None else torch.cat([ids, torch.tensor([outs[-1]], device=device), tail], dim=1)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=T,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
                              do_sample=False, return_dict_in_generate=True, pad_token_id=0)
         cache = out.past_key_values
         outs.append(out.sequences[0, ids.shape[1]:].tolist())

@@ -26,6 +26,30 @@ def test_compiled_decode_one_graph_no_recompile():
     assert not counters["recompiles"]
 
 
+def test_each_engine_compiles_its_own_decode_variants():
+    """Engines built one after another in one process each get a private dynamo cache for their decode step: with
+    a recompile limit of 1, six instances still compile (one shared code object would fail the second)."""
+    import torch._dynamo.config as dynamo_config
+
+    from sparsecompile.runtime.compilation import compile_step
+
+    class Step:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def decode(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.k + 1
+
+    torch._dynamo.reset()
+    steps = [Step(k) for k in range(6)]
+    compiled = [compile_step(s.decode, "eager") for s in steps]
+    x = torch.ones(3)
+    with dynamo_config.patch(recompile_limit=1):
+        for _ in range(2):
+            for step, fn in zip(steps, compiled):
+                assert torch.equal(fn(x), x * step.k + 1)
+
+
 def test_capture_check_rejects_raw_sdpa():
     def uses_sdpa(q):
         return torch.nn.functional.scaled_dot_product_attention(q, q, q)

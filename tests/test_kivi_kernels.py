@@ -182,7 +182,7 @@ def test_decode_reference_equals_dense_attention_over_dequantized_floats(window)
 
 
 @needs_triton
-@pytest.mark.parametrize("bits,splits,groups_per_tile", [(2, 3, 1), (4, 1, 2)])
+@pytest.mark.parametrize("bits,splits,groups_per_tile", [(2, 3, 1), (4, 1, 2), (2, 2, 4)])  # 4 groups: 2 pages
 def test_triton_decode_matches_reference(bits, splits, groups_per_tile):
     args = decode_case(bits=bits, window=60 if splits == 3 else 0, seed=bits)
     assert kq.triton_supported(GROUP, DIM)  # the Triton kernel runs, not its fallback

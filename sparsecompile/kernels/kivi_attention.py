@@ -103,6 +103,13 @@ if triton is not None:
         return tl.reshape(f, (ROWS, W * PER_WORD))
 
     @triton.jit
+    def _repeat(x, ROWS: tl.constexpr, COLS: tl.constexpr, TIMES: tl.constexpr):
+        """``[ROWS, COLS]`` -> ``[ROWS, COLS * TIMES]``, each column repeated ``TIMES`` times in place (per-group
+        metadata spread over its channels or slots in registers: loading it per channel costs one load per element,
+        and the load units, not the bytes, then bound the kernel)."""
+        return tl.reshape(tl.broadcast_to(x[:, :, None], (ROWS, COLS, TIMES)), (ROWS, COLS * TIMES))
+
+    @triton.jit
     def _kivi_decode_kernel(Q, KC, VC, KS, KZ, VS, VZ, POS, RK, RV, RROWS, INDEX, LENGTHS, QUANT, QPOS,
                             OUT, MID_O, MID_LSE,
                             stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh, stride_pb,
@@ -112,8 +119,10 @@ if triton is not None:
                             D: tl.constexpr, BITS: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_F: tl.constexpr, NG: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
         """One program: every query head of one (sequence, kv_head) over one split of its slots. A quantized tile is
-        ``NG`` key groups of one page: with one group the key scales fold into the query, with more the keys are
-        dequantized in registers."""
+        ``NG`` key groups (of one page or several): with one group the key scales fold into the query, with more the
+        keys are dequantized in registers. Larger tiles issue more independent loads per iteration: the page-id ->
+        codes -> scores -> values chain of one iteration is latency, and a 32-slot tile of 2-bit codes carries too
+        few bytes to hide it."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // KV_HEADS
@@ -137,14 +146,25 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         index = INDEX + b * stride_ib + h * stride_ih
         tok = tl.arange(0, TILE)
+        gi = tl.arange(0, NG)
         w = tl.arange(0, W)
+        VG: tl.constexpr = D // G  # value groups per slot
+        vg = tl.arange(0, VG)
         qhi = tl.minimum(hi, quant)
         for start in range(lo, qhi, TILE):  # quantized slots
-            page = tl.load(index + start // PAGE).to(tl.int64)
-            first = (page * KV_HEADS + h) * PAGE + start % PAGE
-            slot = first + tok  # rows of the [pages, heads, P] layout
             tm = start + tok < qhi
-            grp = (page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G
+            if NG == 1:  # one group never crosses a page (G divides P): one page id per tile
+                page = tl.load(index + start // PAGE).to(tl.int64)
+                slot = (page * KV_HEADS + h) * PAGE + start % PAGE + tok  # rows of the [pages, heads, P] layout
+                grp = (page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G
+            else:  # a tile of several groups may span pages: a page id per slot (repeated addresses, one fetch each)
+                j = start + tok
+                pages = tl.load(index + j // PAGE, mask=tm, other=0).to(tl.int64)
+                slot = (pages * KV_HEADS + h) * PAGE + j % PAGE
+                jg = start + gi * G  # the first slot of each group of the tile
+                gm = jg < qhi
+                gpages = tl.load(index + jg // PAGE, mask=gm, other=0).to(tl.int64)
+                kg = (gpages * KV_HEADS + h) * (PAGE // G) + (jg % PAGE) // G  # [NG] key-group rows
             kcodes = _unpack(tl.load(KC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
                              PER_WORD, BITS)
             if NG == 1:  # one group: (q * scale) . codes + q . zero
@@ -157,10 +177,11 @@ if triton is not None:
                 else:
                     s = tl.dot(qs.to(tl.bfloat16), tl.trans(kcodes.to(tl.bfloat16)))
                 s = s + bias[:, None]
-            else:  # several groups: dequantize the keys
-                kg = grp + tok // G
-                ks = tl.load(KS + kg[:, None] * D + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-                kz = tl.load(KZ + kg[:, None] * D + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            else:  # several groups: dequantize the keys (each group's scales and zeros read once, spread over G slots)
+                ks = tl.load(KS + kg[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+                kz = tl.load(KZ + kg[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+                ks = tl.reshape(tl.broadcast_to(ks[:, None, :], (NG, G, D)), (TILE, D))
+                kz = tl.reshape(tl.broadcast_to(kz[:, None, :], (NG, G, D)), (TILE, D))
                 k = kcodes * ks + kz
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -172,10 +193,10 @@ if triton is not None:
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             vcodes = _unpack(tl.load(VC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
                              PER_WORD, BITS)
-            # each channel reads its group's scale and zero (repeated addresses: one fetch per group)
-            vmeta = slot[:, None] * (D // G) + (d // G)[None, :]
-            vs = tl.load(VS + vmeta, mask=tm[:, None], other=0.0).to(tl.float32)
-            vz = tl.load(VZ + vmeta, mask=tm[:, None], other=0.0).to(tl.float32)
+            # a slot's value scales and zeros: D // G of each, loaded once and spread over their channels
+            vmeta = slot[:, None] * VG + vg[None, :]
+            vs = _repeat(tl.load(VS + vmeta, mask=tm[:, None], other=0.0).to(tl.float32), TILE, VG, G)
+            vz = _repeat(tl.load(VZ + vmeta, mask=tm[:, None], other=0.0).to(tl.float32), TILE, VG, G)
             v = vcodes * vs + vz
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -235,8 +256,9 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     block_m = max(16, triton.next_power_of_2(queries * group))
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
-    groups_per_tile = max(1, min(cfg["groups_per_tile"], page_size // group_size))
-    splits = num_splits or _num_splits(batch * heads, span, 4 * group_size, cfg["target_programs"])
+    groups_per_tile = max(1, cfg["groups_per_tile"])
+    min_split = max(4, groups_per_tile) * group_size
+    splits = num_splits or _num_splits(batch * heads, span, min_split, cfg["target_programs"])
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)

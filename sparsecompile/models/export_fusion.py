@@ -109,7 +109,7 @@ def _rewrite(graph: fx.Graph, fake, x: fx.Node, run: list, weight: fx.Node, bias
         node = graph.call_function(target, args)
         values = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
         with fake:
-            node.meta["val"] = target(*values)
+            node.meta["val"] = _linear_meta(*values) if target is _LINEAR else target(*values)
         node.meta.update(meta)
         return node
 
@@ -120,3 +120,11 @@ def _rewrite(graph: fx.Graph, fake, x: fx.Node, run: list, weight: fx.Node, bias
     for (node, _, _), piece in zip(run, pieces):
         node.replace_all_uses_with(piece)
         graph.erase_node(node)
+
+
+def _linear_meta(x, weight, bias=None):
+    """The fake value of ``linear(x, weight)``: ``[..., out_features]``, contiguous. Built directly rather than by
+    running the op: ``aten.linear`` decomposes to ``matmul``, whose C++ kernel asks symbolic batch sizes for a
+    concrete ``numel()`` in torch 2.11 (the prefill program's batch and chunk are dynamic)."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,8 +59,24 @@ def inductor_patches(*, cuda_graphs: bool, keep_order: bool) -> dict[str, Any]:
 
 
 def compile_step(fn: Callable, backend: Callable) -> Callable:
-    """Compile a decode step: one graph (``fullgraph``), static shapes (one graph per batch size)."""
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    """Compile a decode step: one graph (``fullgraph``), static shapes (one graph per batch size).
+
+    ``fn`` (a function or bound method) is compiled through a private copy of its code object: dynamo keeps
+    compiled variants, and counts them against ``recompile_limit``, per code object, so every engine built in one
+    process (a server swapping models, a benchmark with one ``LLM`` per method, a test session) would otherwise
+    pile its graphs onto the one ``_decode_eager`` and the next engine's first compile would fail the limit.
+    """
+    return torch.compile(_private_code(fn), backend=backend, fullgraph=True, dynamic=False)
+
+
+def _private_code(fn: Callable) -> Callable:
+    """``fn`` with a copy of its code object (equal, not identical: dynamo's cache for it starts empty)."""
+    target = getattr(fn, "__func__", fn)
+    copy = types.FunctionType(target.__code__.replace(), target.__globals__, target.__name__, target.__defaults__,
+                              target.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = target.__kwdefaults__, target.__qualname__
+    bound = getattr(fn, "__self__", None)
+    return types.MethodType(copy, bound) if bound is not None else copy
 
 
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:

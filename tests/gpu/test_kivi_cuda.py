@@ -79,8 +79,8 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
             torch.full((batch,), quant, device="cuda"), torch.full((batch, 1), context, device="cuda"),
             DIM ** -0.5, 0)
     want = kivi_decode_attention_reference(*args)
-    for splits in (None, 1):
-        got = kivi_decode_attention_triton(*args, num_splits=splits)
+    for splits, config in ((None, None), (1, None), (None, {"groups_per_tile": 4}), (None, {"groups_per_tile": 8})):
+        got = kivi_decode_attention_triton(*args, num_splits=splits, config=config)
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
@@ -99,7 +99,10 @@ def test_kivi_decode_with_cuda_graphs_equals_eager(method, options):
     torch.manual_seed(0)
     config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
                          head_dim=64)
-    eager = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    # fp32 weights and activations (K/V still quantized to 2 / 4 bits): bf16 GEMMs fused in the compiled step round
+    # differently from the eager ones and flip near-tied greedy picks of a random model; fp32 keeps the comparison
+    # about the graphs
+    eager = AutoModelForCausalLM.from_config(config).to("cuda", torch.float32).eval()
     graphs = copy.deepcopy(eager)
     sparsecompile.optimize(eager, method, compile=False, **options)
     sparsecompile.optimize(graphs, method, compile=True, cuda_graphs=True, **options)
@@ -107,6 +110,7 @@ def test_kivi_decode_with_cuda_graphs_equals_eager(method, options):
     ids, mask = ids.cuda(), mask.cuda()
     want = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
     got = graphs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
-    assert torch.equal(got, want)
+    differ = (got != want).any(0).nonzero()
+    assert torch.equal(got, want), f"first differing position {differ[0].item()} of {got.shape[1]}"
     assert int(counters["inductor"]["cudagraph_skips"]) == 0
     assert sum(counters["graph_break"].values()) == 0

@@ -47,7 +47,7 @@ def test_chain_continuation_with_cuda_graph_decode_equals_generate(method, optio
     reference, candidate = _cuda_pair()
     sparsecompile.optimize(reference, method, **ENGINE, **options)
     parts = _prompts([150, 90, 70], seed=1)
-    want = generate_turns(reference, parts, device="cuda")
+    want = generate_turns(reference, parts, device="cuda", new_tokens=T)
     llm = LLM(candidate, method, tokenizer=Digits(), max_num_seqs=4, cuda_graph_sizes=[4], **ENGINE, **options)
     got, prompt = [], []
     for part in parts:
