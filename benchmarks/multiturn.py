@@ -252,7 +252,7 @@ def method_rows(model: torch.nn.Module, method: str, arms: list[str], args: argp
 
 
 def kvzip_cost(model: torch.nn.Module, contexts: list[int], args: argparse.Namespace) -> list[dict]:
-    """Prefill seconds of one prompt per context for vanilla, snapkv and kvzip (after a warm-up prompt of that length)."""
+    """Prefill seconds of one prompt per context for vanilla, snapkv and kvzip (after a warm-up at that length)."""
     rows = []
     for method, options in (("vanilla", {}), ("snapkv", {"budget": 2048}), ("kvzip", {"ratio": 0.3})):
         for context in contexts:
