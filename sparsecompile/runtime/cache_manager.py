@@ -22,8 +22,8 @@ Host / device split
 The host is authoritative for *how many* slots each ``(row, layer)`` uses (every method here keeps
 a count that follows from lengths and budgets), so page allocation happens on the host, before a
 step, and is pushed to the device block table with :meth:`flush`. The device is authoritative for
-*what* each slot holds. Device-side operations (:meth:`write`, :meth:`build_view`, :meth:`move_slots`)
-contain no host synchronisation and run inside compiled decode graphs.
+*what* each slot holds. Device-side operations (:meth:`write`, :meth:`build_view`, :meth:`move_slots`; in
+``slot_access.py``) contain no host synchronisation and run inside compiled decode graphs.
 
 Physical eviction (:meth:`move_slots` + :meth:`truncate`) frees pages back to the allocator;
 logical selection (:meth:`build_view` with a :class:`Selection`) only changes what attention reads.
@@ -32,39 +32,19 @@ logical selection (:meth:`build_view` with a :class:`Selection`) only changes wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..kernels import gather_slots, kv_write
 from .allocator import BlockAllocator, OutOfPages
 from .host import to_device
-from .kivi import KiviSpec, KiviStorage
+from .kivi import KiviStorage
+from .layout import KVLayout
 from .page_sharing import SharedPages
-from .step import StepState
-from .view import AttentionView, PageSelection, Selection, SlotSelection
+from .slot_access import SlotAccess
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of the KV state of one model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
-    device: torch.device
-    storage: KiviSpec | None = None  # None: dense K/V in ``dtype``
-
-    @property
-    def bytes_per_slot_head(self) -> int:
-        """Bytes of K plus V for one token of one KV head."""
-        return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-
-class CacheManager(SharedPages):
+class CacheManager(SharedPages, SlotAccess):
     """Owns the paged KV pool and every per-sequence map into it (see module docstring)."""
 
     def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
@@ -319,131 +299,3 @@ class CacheManager(SharedPages):
     def _written_from(self, from_slots: np.ndarray) -> np.ndarray:
         """A step appending after ``from_slots`` may also write earlier slots (KIVI quantizes from ``Q(from)``)."""
         return from_slots if self.storage is None else self.storage.written_from(np.asarray(from_slots))
-
-    # ------------------------------------------------------------------ device side (traceable)
-    def global_slots(self, layer: int, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1)."""
-        P = self.layout.page_size
-        table = self.block_table[rows, layer]  # [batch, max_pages]
-        flat = local.reshape(local.shape[0], -1)
-        safe = flat.clamp(min=0)
-        pages = torch.gather(table, 1, safe // P).long()
-        slots = torch.where(flat >= 0, pages * P + safe % P, torch.full_like(flat, -1))
-        return slots.reshape(local.shape)
-
-    def write(self, layer: int, step: StepState, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Write the step's new ``key, value [batch, kv_heads, tokens, head_dim]``; returns their global slots.
-
-        New tokens land after the slots already in use (``lengths`` already counts them: see
-        :meth:`ensure_slots`). Slot metadata of the new slots is reset to its fill value.
-        """
-        used = self.lengths[step.rows, layer].long() - step.num_new  # [batch]
-        local = torch.where(step.new_offsets >= 0, used[:, None] + step.new_offsets, step.new_offsets)
-        slots = self.global_slots(layer, step.rows, local)
-        if self.storage is None:
-            kv_write(self.k_pool, self.v_pool, self.pos_pool, key, value, slots, step.positions)
-        else:
-            self.storage.write(layer, step, key, value, local, slots)
-        if self.slot_metadata:
-            per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
-            for name, meta in self.slot_metadata.items():
-                self.scatter_slots(meta, per_head, torch.full(per_head.shape, self._slot_fill[name], dtype=meta.dtype,
-                                                              device=meta.device))
-        return slots
-
-    def scatter_slots(self, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """``pool[slot of head h] = values`` for global ``slots [batch, kv_heads, n]``; slots < 0 are skipped.
-
-        Skipped entries go to the trash page (no boolean indexing, so shapes stay static under compile).
-        """
-        P = self.layout.page_size
-        safe = torch.where(slots >= 0, slots, torch.full_like(slots, self.trash_page * P))
-        head = torch.arange(slots.shape[1], device=slots.device)[None, :, None].expand_as(safe)
-        pool.index_put_((safe // P, head, safe % P), values.to(pool.dtype))
-
-    def build_view(self, layer: int, step: StepState, selection: Selection = None) -> AttentionView:
-        """The AttentionView of ``layer`` for this step: every resident slot, or the selected subset."""
-        H, P = self.layout.num_kv_heads, self.layout.page_size
-        rows = step.rows
-        if self.storage is not None:
-            if selection is not None:
-                raise TypeError("a KIVI-stored cache has no logical selection (selection methods are refused)")
-            return self.storage.view(layer, step)
-        table = self.block_table[rows, layer]  # [batch, max_pages]
-        if selection is None:
-            index = table[:, None, :].expand(-1, H, -1)
-            lengths = self.lengths[rows, layer][:, None].expand(-1, H)
-            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, index, lengths, P)
-        if isinstance(selection, PageSelection):
-            pages = torch.gather(table[:, None, :].expand(-1, H, -1), 2, selection.pages.clamp(min=0))
-            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, pages.to(torch.int32),
-                                 selection.tokens.to(torch.int32), P)
-        if isinstance(selection, SlotSelection):
-            slots = self.global_slots(layer, rows, selection.slots)
-            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, slots.clamp(min=0).to(torch.int32),
-                                 selection.counts.to(torch.int32), 1)
-        raise TypeError(f"unknown selection type {type(selection).__name__}")
-
-    def end_layer(self, layer: int, step: StepState) -> None:
-        """After the layer's attention and hooks: the storage format commits the layer's new tokens (KIVI)."""
-        if self.storage is not None:
-            self.storage.end_layer(layer, step)
-
-    def resident_slot_ids(self, layer: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global slot ids of the first ``width`` row-local slots ``[batch, width]`` and their validity."""
-        local = torch.arange(width, device=rows.device)[None, :].expand(rows.shape[0], -1)
-        valid = local < self.lengths[rows, layer][:, None]
-        return self.global_slots(layer, rows, torch.where(valid, local, -1)), valid
-
-    def move_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Per KV head, copy row-local slots ``src`` to ``dst`` (both ``[batch, kv_heads, n]``).
-
-        Moves K, V, position and all slot metadata together. Sources are read before any write, so
-        overlapping moves (compaction to the front) are safe.
-        """
-        H = self.layout.num_kv_heads
-        batch, _, n = src.shape
-        g_src = self.global_slots(layer, rows, src.reshape(batch, -1)).reshape(batch, H, n).clamp(min=0)
-        g_dst = self.global_slots(layer, rows, dst.reshape(batch, -1)).reshape(batch, H, n)
-        pools = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values())
-        if self.storage is not None:
-            self.storage.move(layer, rows, src, dst)
-            pools = pools[2:]
-        moved = [gather_slots(pool, g_src) for pool in pools]  # read everything before writing
-        for pool, values in zip(pools, moved):
-            self.scatter_slots(pool, g_dst, values)
-
-    def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:
-        """Empty (position -1) the slots among the first ``count`` of ``(row, layer)`` whose token is at position
-        ``>= first``, in every head (host-driven edit of resident state; not for compiled steps)."""
-        rows = torch.tensor([row], device=self.layout.device)
-        slots, _ = self.resident_slot_ids(layer, rows, count)
-        per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
-        pos = gather_slots(self.pos_pool, per_head)
-        self.scatter_slots(self.pos_pool, torch.where(pos >= first, per_head, -1), torch.full_like(pos, -1))
-        self._holes.add(row)
-
-    # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
-    def retained_positions(self, row: int, layer: int) -> list[torch.Tensor]:
-        """For each KV head of ``(row, layer)``, the sorted logical positions still resident."""
-        self._check_row(row)
-        count = int(self._host_lengths[row, layer])
-        if count == 0:
-            return [torch.empty(0, dtype=torch.int64) for _ in range(self.layout.num_kv_heads)]
-        rows = torch.tensor([row], device=self.layout.device)
-        slots, _ = self.resident_slot_ids(layer, rows, count)
-        pos = gather_slots(self.pos_pool, slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1))[0].cpu().long()
-        return [torch.sort(p[p >= 0]).values for p in pos]
-
-    def resident_tokens(self, row: int, layer: int) -> list[int]:
-        """Tokens resident per KV head of ``(row, layer)``."""
-        return [int(p.numel()) for p in self.retained_positions(row, layer)]
-
-    def resident_bytes(self, row: int, layer: int) -> int:
-        """K/V bytes ``(row, layer)`` holds, all KV heads: resident tokens x head_dim x 2 x dtype size (dense), or
-        the KIVI codes, scales and residual of its slots (positions not counted)."""
-        lay = self.layout
-        if self.storage is None:
-            return sum(self.resident_tokens(row, layer)) * lay.bytes_per_slot_head
-        count = int(self._host_lengths[row, layer])
-        return lay.num_kv_heads * self.storage.spec.slot_bytes(lay.head_dim, lay.dtype, count)
