@@ -218,7 +218,8 @@ def method_rows(model: torch.nn.Module, method: str, arms: list[str], args: argp
     rows = []
     try:
         start = time.perf_counter()
-        longest = args.first_prompt + args.turns * (args.max_tool + args.max_output) + 16
+        longest = min(args.first_prompt + args.turns * (args.max_tool + args.max_output) + 16,
+                      model.config.max_position_embeddings)
         llm = LLM(model, method, tokenizer=StubTokenizer(), max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=longest, cuda_graph_sizes=[args.max_num_seqs], compile=compiled,
