@@ -5,11 +5,15 @@
 #   bash benchmarks/sessions/next.sh multiturn  # #15 / #19: vanilla none/prefix, snapkv none/chain/prune        ~7 min
 #   bash benchmarks/sessions/next.sh arms       # h2o none/chain, quest none/prefix (same trace)                 ~7 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)  ~8 min
-# Results go to $OUT; copy them to benchmarks/results/ and commit.
+# Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
+# restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
+# carry=[".carry"] to the next call (compile_cache.py).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPARSECOMPILE_CACHE=/tmp/sc-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 P="python3 -m pytest -q -p no:cacheprovider -rf --durations=12 --tb=short"
+python3 benchmarks/sessions/compile_cache.py restore .carry/cc
+trap 'python3 benchmarks/sessions/compile_cache.py save "$OUT/cc"' EXIT
 case "${1:-}" in
 verify)
   timeout 150 $P tests/gpu/test_kivi_cuda.py tests/gpu/test_multiturn_cuda.py > "$OUT/gpu_tests_kivi_multiturn.log" 2>&1
