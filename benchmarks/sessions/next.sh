@@ -5,6 +5,7 @@
 #   bash benchmarks/sessions/next.sh multiturn  # #15 / #19: vanilla none/prefix, snapkv none/chain/prune        ~7 min
 #   bash benchmarks/sessions/next.sh arms       # h2o none/chain, quest none/prefix (same trace)                 ~7 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)  ~8 min
+#   bash benchmarks/sessions/next.sh profile    # #14 host time of generate() decode steps, snapkv and vanilla   ~4 min
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py).
@@ -31,5 +32,10 @@ arms)
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
-*) echo "usage: $0 verify|multiturn|arms|kivi"; exit 2 ;;
+profile)
+  for method in snapkv vanilla; do
+    timeout 200 python3 benchmarks/generate_profile.py --method $method --out "$OUT" > "$OUT/profile_$method.log" 2>&1
+    echo "$method rc=$?"; tail -2 "$OUT/profile_$method.log"
+  done ;;
+*) echo "usage: $0 verify|multiturn|arms|kivi|profile"; exit 2 ;;
 esac
