@@ -50,6 +50,44 @@ def test_each_engine_compiles_its_own_decode_variants():
                 assert torch.equal(fn(x), x * step.k + 1)
 
 
+def test_decode_steps_drop_only_the_models_tensor_guards():
+    """The decode step's guard filter drops the tensor-metadata guards of the model's parameters (most of the guard
+    time) and nothing else: a flag flipped on a module and a swapped module still recompile."""
+    from sparsecompile.runtime.compilation import compile_step
+
+    class Step:
+        def decode(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return model(x)
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
+    fn = compile_step(Step().decode, "eager")
+    x = torch.ones(2, 4)
+    torch.testing.assert_close(fn(model, x), model(x))
+    frames = counters["stats"]["unique_graphs"]
+    model.train()  # the Dropout's flag: a value guard, kept
+    fn(model, x)
+    assert counters["stats"]["unique_graphs"] == frames + 1
+    model.eval()
+    model[0] = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())  # another module type: kept guards
+    torch.testing.assert_close(fn(model, x), model(x))  # see it (the old graph would miss the ReLU)
+
+
+@pytest.mark.slow
+def test_a_model_cast_after_optimize_is_refused_by_compiled_decode():
+    """Without tensor guards on the weights, a cast after optimize() must not run the graph built for the old
+    dtype: the controller refuses the step and says what to do."""
+    torch._dynamo.reset()
+    _, model = tiny_pair("llama", seed=6)
+    sparsecompile.optimize(model, "vanilla", page_size=4, compile=True)
+    ids = torch.randint(3, 96, (1, 9))
+    model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="restore"):
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+
+
 def test_capture_check_rejects_raw_sdpa():
     def uses_sdpa(q):
         return torch.nn.functional.scaled_dot_product_attention(q, q, q)

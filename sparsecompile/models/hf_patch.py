@@ -213,6 +213,8 @@ def install(model: nn.Module, controller: SparseController, attention: list[nn.M
     for module in attention:
         module.__dict__[CONTROLLER_ATTR] = controller  # plain attribute: not a submodule, not a buffer
     model.__dict__[_PATCH_ATTR] = patched
+    params = list(model.parameters())
+    controller.watch_parameters(params[:1] + params[-1:])  # a cast or move after optimize() changes both
 
     @functools.wraps(patched.orig_forward)
     def forward(*args, **kwargs):

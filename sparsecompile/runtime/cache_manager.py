@@ -56,6 +56,7 @@ class CacheManager(SharedPages, SlotAccess):
         self.page_metadata: dict[str, torch.Tensor] = {}
         L = layout.num_layers
         self._host_table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
+        self._table_rows, self._table_width = max_seqs, max_pages_per_seq
         self._host_lengths = np.zeros((max_seqs, L), dtype=np.int64)
         self._pages: list[list[list[int]]] = [[[] for _ in range(L)] for _ in range(max_seqs)]
         self._owned = np.zeros((max_seqs, L), dtype=np.int64)  # len(self._pages[row][layer])
@@ -87,13 +88,15 @@ class CacheManager(SharedPages, SlotAccess):
         kv = (self.k_pool, self.v_pool) if self.storage is None else self.storage.page_tensors()
         return (*kv, self.pos_pool, *self.slot_metadata.values(), *self.page_metadata.values())
 
+    # Plain ints, not the host table's shape: compiled decode steps read these (H2O's decode width), and dynamo
+    # turns a numpy array it touches into a tensor it guards by converting the array on every call.
     @property
     def max_seqs(self) -> int:
-        return self._host_table.shape[0]
+        return self._table_rows
 
     @property
     def max_pages_per_seq(self) -> int:
-        return self._host_table.shape[2]
+        return self._table_width
 
     def _allocate_device(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
         L, H, P, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
@@ -145,6 +148,7 @@ class CacheManager(SharedPages, SlotAccess):
         lengths = np.zeros((max_seqs, L), dtype=np.int64)
         lengths[:rows_before] = self._host_lengths
         self._host_table, self._host_lengths = table, lengths
+        self._table_rows, self._table_width = max_seqs, max_pages_per_seq
         self._pages.extend([[] for _ in range(L)] for _ in range(max_seqs - rows_before))
         owned = np.zeros((max_seqs, L), dtype=np.int64)
         owned[:rows_before] = self._owned

@@ -49,6 +49,7 @@ class SparseController(RowOperations):
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
+        self._watched: list[tuple[torch.Tensor, tuple]] = []  # see watch_parameters
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -306,6 +307,8 @@ class SparseController(RowOperations):
             rows = rows + [self._padding_row()] * extra
             input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, 1)])
             positions = torch.cat([positions, positions.new_full((extra, 1), -1)])
+        if self._watched and self._compiled_decode is not None:
+            self._check_parameters()
         step = self._decode_step(rows, batch)
         step.positions.copy_(positions)
         self._begin(step)
@@ -358,6 +361,20 @@ class SparseController(RowOperations):
             step.new_offsets.copy_(torch.where(real, 0, -1)[:, None], non_blocking=True)
         return step
 
+    def watch_parameters(self, parameters: list[torch.Tensor]) -> None:
+        """Refuse compiled decode steps once any of ``parameters`` (a model's first and last, say) changed dtype,
+        device, shape or strides: the compiled step does not guard the model's tensor metadata
+        (:func:`~.compilation.decode_guard_filter`), and a model cast or moved after ``optimize`` would otherwise
+        run the graph built for the old tensors."""
+        self._watched = [(p, _tensor_meta(p)) for p in parameters]
+
+    def _check_parameters(self) -> None:
+        for tensor, meta in self._watched:
+            if _tensor_meta(tensor) != meta:
+                raise RuntimeError(f"the model's parameters changed since optimize() (dtype/device/shape {meta[:3]} "
+                                   f"-> {_tensor_meta(tensor)[:3]}): call sparsecompile.restore(model) before casting "
+                                   "or moving it, then optimize() again")
+
     def install_decode_step(self, step_fn: Callable) -> None:
         """Run decode steps with ``step_fn(inner, step, input_ids, positions) -> logits`` (forward and
         ``finish_step`` in one unit, like the compiled step): an exported artifact's decode program. Batches are then
@@ -379,3 +396,8 @@ def _valid_tokens(ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tenso
         kept = positions[i][mask]
         out.append((int(kept[0]) if kept.numel() else 0, ids[i][mask].tolist()))
     return out
+
+
+def _tensor_meta(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tensor.device, tuple(tensor.shape), tensor.stride()
+
