@@ -76,15 +76,20 @@ def decode_guard_filter(entries: list) -> list[bool]:
 
     Those are most of the step's guard time (about 300 tensors in a 32-layer model): guard evaluation of one decode
     call of a 32-layer tiny Llama on the 2-core CI machine takes 267-272 us with them and 117-123 us without
-    (vanilla, snapkv, h2o; best of 15 interleaved rounds), host time that every token pays. The step's own inputs (step tensors, pools, token ids)
-    keep theirs, and so do module identities and types, instance dicts and attribute values, so a swapped module
-    or a changed flag still recompiles (hooks added after compiling are not guarded in any case: dynamo's
-    ``skip_nnmodule_hook_guards``). What the dropped guards caught, a model cast or moved after ``optimize``
-    (``model.half()``, ``model.to(device)``), is refused by the controller instead
+    (vanilla, snapkv, h2o; best of 15 interleaved rounds), host time that every token pays. The step's own
+    inputs (step tensors, pools, token ids) keep theirs, and so do module identities and types, instance dicts and
+    attribute values, so a swapped module or a changed flag still recompiles (hooks added after compiling are not
+    guarded in any case: dynamo's ``skip_nnmodule_hook_guards``). What the dropped guards caught, a model cast or
+    moved after ``optimize`` (``model.half()``, ``model.to(device)``), is refused by the controller instead
     (:meth:`~.controller.SparseController.watch_parameters`): the KV pool was sized for the old dtype anyway.
     """
-    return [not (entry.guard_type == "TENSOR_MATCH" and entry.orig_guard.source.is_unspecialized_nn_module())
-            for entry in entries]
+    return [_keep_guard(entry) for entry in entries]
+
+
+def _keep_guard(entry) -> bool:
+    source = getattr(getattr(entry, "orig_guard", None), "source", None)  # (kept when a torch version lacks them)
+    in_model = source is not None and source.is_unspecialized_nn_module()
+    return not (in_model and getattr(entry, "guard_type", None) == "TENSOR_MATCH")
 
 
 def _private_code(fn: Callable) -> Callable:
