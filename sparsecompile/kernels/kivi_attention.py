@@ -110,6 +110,11 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(x[:, :, None], (ROWS, COLS, TIMES)), (ROWS, COLS * TIMES))
 
     @triton.jit
+    def _repeat_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, TIMES: tl.constexpr):
+        """``[ROWS, COLS]`` -> ``[ROWS * TIMES, COLS]``, each row repeated ``TIMES`` times in place."""
+        return tl.reshape(tl.broadcast_to(x[:, None, :], (ROWS, TIMES, COLS)), (ROWS * TIMES, COLS))
+
+    @triton.jit
     def _kivi_decode_kernel(Q, KC, VC, KS, KZ, VS, VZ, POS, RK, RV, RROWS, INDEX, LENGTHS, QUANT, QPOS,
                             OUT, MID_O, MID_LSE,
                             stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh, stride_pb,
@@ -178,10 +183,9 @@ if triton is not None:
                     s = tl.dot(qs.to(tl.bfloat16), tl.trans(kcodes.to(tl.bfloat16)))
                 s = s + bias[:, None]
             else:  # several groups: dequantize the keys (each group's scales and zeros read once, spread over G slots)
-                ks = tl.load(KS + kg[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-                kz = tl.load(KZ + kg[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-                ks = tl.reshape(tl.broadcast_to(ks[:, None, :], (NG, G, D)), (TILE, D))
-                kz = tl.reshape(tl.broadcast_to(kz[:, None, :], (NG, G, D)), (TILE, D))
+                kmeta = kg[:, None] * D + d[None, :]
+                ks = _repeat_rows(tl.load(KS + kmeta, mask=gm[:, None], other=0.0).to(tl.float32), NG, D, G)
+                kz = _repeat_rows(tl.load(KZ + kmeta, mask=gm[:, None], other=0.0).to(tl.float32), NG, D, G)
                 k = kcodes * ks + kz
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
