@@ -5,6 +5,7 @@
     python benchmarks/prefill.py --e2e [--e2e-context 131072] [--new-tokens 256] [--methods ...] [--systems ...]
     python benchmarks/prefill.py --plot                       (PNG from the JSONL, no runs)
     python benchmarks/prefill.py --device cpu --tiny ...      (CPU smoke run)
+    python benchmarks/prefill.py --profile ...                (+ a torch.profiler table per point)
 
 Model: the Llama-3.1-8B shape with random bf16 weights built from a LlamaConfig (``decode.build_model``); prompts
 are random token ids. Rows (one JSON line each, appended to ``--out/prefill<TAG>.jsonl``):
@@ -20,6 +21,11 @@ edges. Fields: system, method, context, batch, chunk, seconds, tflops = (2 * non
 2 * context^2 * layers * hidden * batch) / seconds with tokens = context * batch (non-embedding: without the input
 embedding and the LM head, which runs on one position), peak_GiB (max allocated during the timed run), error
 (e.g. out of memory: recorded, the run goes on). Between methods the same model is ``restore()``d, not rebuilt.
+
+``--profile``: after its timed run each point runs the same call once more under ``torch.profiler`` (CPU, plus CUDA
+on a GPU; not timed into the rows) and writes the op table (by self CUDA time, on CPU self CPU time), then the self
+time summed per coarse category (attention / GEMM / other), to
+``--out/profile_prefill_<system>_<method>_<context>_b<batch>_c<chunk><TAG>.txt``.
 
 ``--e2e``: a ``--e2e-context`` prompt plus ``--new-tokens`` greedy tokens through ``generate()`` for every method
 (engine defaults: chunk 2048, compiled CUDA-graph decode), HF eager (DynamicCache) and HF static cache with
@@ -48,6 +54,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +72,11 @@ from sparsecompile import LLM, SamplingParams  # noqa: E402
 SYSTEMS = ("hf_sdpa", "hf_generate", "sparsecompile", "sparsecompile_llm")
 E2E_SYSTEMS = ("hf_eager", "hf_static_compile", "sparsecompile")
 GiB = 2**30
+# --profile's coarse categories: the first whose substrings occur in a (lower-cased) kernel / op name, else "other"
+PROFILE_CATEGORIES = (
+    ("attention", ("attention", "attn", "flash", "cudnn", "fmha", "sdpa", "prefill_kernel")),
+    ("gemm", ("nvjet", "gemm", "cublas", "mm")),
+)
 
 
 class Bench:
@@ -159,6 +171,10 @@ def prefill_row(bench: Bench, system: str, method: str, context: int, batch: int
             run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
         seconds, peak = bench.timed(run)
         row.update(seconds=seconds, tflops=bench.tflops(context, batch, seconds), peak_GiB=peak)
+        if bench.args.profile:
+            name = f"profile_prefill_{system}_{method}_{context}_b{batch}_c{chunk}{bench.args.tag}.txt"
+            profile_call(bench, run, f"prefill {system} {method} context {context} batch {batch} chunk {chunk}",
+                         os.path.join(bench.args.out, name))
     except torch.OutOfMemoryError as err:
         row["error"] = f"out of memory: {str(err).splitlines()[0][:200]}"
     except Exception as err:  # one failing point does not end the run
@@ -167,6 +183,49 @@ def prefill_row(bench: Bench, system: str, method: str, context: int, batch: int
         llm = run = None  # the engine (its KV pool) goes before the memory is freed
         bench.free()
     return row
+
+
+def profile_call(bench: Bench, run: Callable[[], Any], what: str, path: str) -> None:
+    """One more ``run()`` under ``torch.profiler``: its op table and per-category self times go to ``path``.
+
+    A failure (e.g. out of memory) only warns: the point's timed row stands as it is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = bench.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        bench.sync()
+        with profile(activities=activities, record_shapes=False) as prof:
+            start = time.perf_counter()
+            run()
+            bench.sync()
+            seconds = time.perf_counter() - start
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=40,
+                               max_name_column_width=90)
+        with open(path, "w") as handle:
+            handle.write(f"# {what}: one call after the timed run, {seconds:.4f} s wall under the profiler\n")
+            handle.write(f"{table}\n{_category_table(averages, cuda)}\n")
+    except Exception as err:
+        print(f"# profile of {what} failed: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr, flush=True)
+
+
+def _category_table(averages: Any, cuda: bool) -> str:
+    """Self time summed per ``PROFILE_CATEGORIES`` entry: of the CUDA kernels on a GPU, else of the CPU ops."""
+    from torch.autograd import DeviceType
+
+    totals = dict.fromkeys([*(name for name, _ in PROFILE_CATEGORIES), "other"], 0.0)
+    for evt in averages:
+        if cuda and (evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False)):
+            continue  # a CPU op's device time is its kernels', which count on their own
+        key = (evt.key or "").lower()
+        category = next((name for name, words in PROFILE_CATEGORIES if any(w in key for w in words)), "other")
+        totals[category] += evt.self_device_time_total if cuda else evt.self_cpu_time_total
+    totals["total"] = total = sum(totals.values())
+    kind = "self CUDA time of kernels" if cuda else "self CPU time of ops"
+    lines = [f"{kind} per category (name contains: {dict(PROFILE_CATEGORIES)})", f"{'category':<12}{'ms':>12}  share"]
+    lines += [f"{name:<12}{us / 1e3:>12.3f}  {us / (total or 1):6.1%}" for name, us in totals.items()]
+    return "\n".join(lines)
 
 
 def _engine_flags(bench: Bench) -> dict[str, Any]:
@@ -258,6 +317,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--e2e-context", type=int, default=131072)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--plot", action="store_true", help="draw prefill<TAG>.png from the JSONL and exit")
+    parser.add_argument("--profile", action="store_true",
+                        help="per point, one more call under torch.profiler -> --out/profile_prefill_*<TAG>.txt")
     parser.add_argument("--fresh", action="store_true", help="truncate the JSONL instead of appending to it")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--tiny", action="store_true", help="tiny hidden sizes (CPU smoke runs)")

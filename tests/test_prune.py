@@ -115,6 +115,24 @@ def test_bad_requests_are_refused_and_change_nothing():
         quantized.prune("q", [(8, 16)], 2)
 
 
+def test_kvzip_re_reads_in_chunks_that_fit_the_block_table_or_refuses():
+    # 44 resident entries; max_model_len 60 leaves 64 slots a layer: the 24-token range is re-read in two chunks
+    llm = make_llm(max_model_len=60)
+    prompt = prompts_of([40], seed=2)[0]
+    llm.generate([prompt], GREEDY, use_tqdm=False, chain_ids=["a"])
+    result = llm.prune("a", [(8, 32)], keep_tokens=4, policy="kvzip")
+    assert result.status == "completed" and result.removed_entries == 2 * 2 * 20
+    assert all(len([p for p in head if 8 <= p < 32]) == 4 for layer in positions(llm, "a") for head in layer)
+    tight = make_llm(max_model_len=52)  # 56 slots: no room for a lead-in and a chunk, nor a 32-token window
+    tight.generate([prompt], GREEDY, use_tqdm=False, chain_ids=["a"])
+    state = snapshot(tight)
+    for policy in ("kvzip", "snapkv"):
+        with pytest.raises(PruneRejected, match="larger max_model_len"):
+            tight.prune("a", [(8, 32)], keep_tokens=4, policy=policy)
+        assert_same(state, snapshot(tight))
+    assert tight.prune("a", [(8, 32)], keep_tokens=0).removed_entries == 2 * 2 * 24
+
+
 def test_a_prune_of_state_in_use_is_blocked_then_runs_when_it_goes_idle():
     llm = make_llm("kvzip")
     engine = llm.llm_engine

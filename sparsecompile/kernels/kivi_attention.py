@@ -237,10 +237,11 @@ if triton is not None:
             tl.store(MID_O + mid[:, None] * D + d[None, :], out, mask=row_ok[:, None])
 
 
-#: Launch configuration (``benchmarks/kernels.py --only kivi --sweep`` times others on the GPU). Not tuned on a GPU
-#: yet: ``groups_per_tile`` 1 folds the key scales into the query (least arithmetic), more groups per tile read
-#: more bytes per iteration.
-KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 4, "num_stages": 3, "target_programs": 264, "groups_per_tile": 1}
+#: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 at every swept point
+#: (2-bit, 32K x 1, 32K x 16, 128K x 1: 409-537 GB/s against 180-233 GB/s for one key group per tile, 3 stages and
+#: 264 programs; ``benchmarks/results/kivi_sweep_h200.log``): four key groups per tile amortise the scale / zero loads
+#: and the per-tile softmax update, and four times as many programs fill the GPU at batch 1.
+KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 4, "num_stages": 2, "target_programs": 1056, "groups_per_tile": 4}
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,

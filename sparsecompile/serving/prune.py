@@ -9,7 +9,8 @@ its matching key, and later continuations are marked as using compressed history
 
 Policies (scoring passes, ``methods/interval_scoring.py``; their KV is temporary):
 
-* ``kvzip``: the ranges' tokens are re-read after the whole history, in chunks of 2048 after KVzip's lead-ins
+* ``kvzip``: the ranges' tokens are re-read after the whole history, in chunks of 2048 (fewer when the row's
+  block table, sized by ``max_model_len``, cannot hold the history, a lead-in and a whole chunk) after KVzip's lead-ins
   (the method's ``repeat_ids`` / ``continue_ids`` when it has them, else the tokenizer's ids of KVzip's texts,
   else none); an entry scores the maximum attention it receives from its KV group's reconstruction queries.
 * ``snapkv``: the history's last 32 tokens are fed again as an observation window; an entry scores the window's
@@ -286,20 +287,34 @@ class Pruner:
         tokens, n = chain.tokens.tolist(), chain.num_tokens
         if policy == "snapkv":
             window = tokens[-WINDOW:]
+            self._room(max(widths), len(window), "SnapKV's observation window")
             c.score_pass(engine.patched.inner, [chain.row], [window], [n], WindowScorer(widths, store))
             return {layer: self._pool(s, self._positions(chain.row, layer, widths[layer]), ranges)
                     for layer, s in scores.items()}
         repeat, cont = self._lead_ids()
+        lead = max(len(repeat), len(cont) + LEAD_IN)  # KVzip re-reads in chunks of 2048, fewer if the row is full
+        chunk = min(CHUNK, self._room(max(widths), lead + LEAD_IN, "KVzip's re-read") - lead)
         first = True
         for lo, hi in ranges:
-            for start in range(lo, hi, CHUNK):
-                stop = min(hi, start + CHUNK)
+            for start in range(lo, hi, chunk):
+                stop = min(hi, start + chunk)
                 lead = repeat if first else cont + tokens[max(0, start - LEAD_IN):start]
                 first = False
                 bounds = torch.tensor([[start, stop]], device=device)
                 scorer = ReconstructionScorer(bounds[:, 0], bounds[:, 1], SINKS, widths, stop - start, store)
                 c.score_pass(engine.patched.inner, [chain.row], [lead + tokens[start:stop]], [n], scorer)
         return scores
+
+    def _room(self, resident: int, need: int, what: str) -> int:
+        """Slots a layer of the row can still take after ``resident`` entries (the scoring pass appends its
+        temporary tokens there); refuses when fewer than ``need``."""
+        m = self.engine.manager
+        slots = m.max_pages_per_seq * m.layout.page_size
+        if slots - resident < need:
+            raise PruneRejected(f"{what} needs room for {need} tokens after the {resident} resident entries, and a "
+                                f"sequence holds {slots} slots per layer (max_model_len): serve with a larger "
+                                "max_model_len, or prune with keep_tokens=0 (no scoring)")
+        return slots - resident
 
     def _pool(self, scores: torch.Tensor, pos: torch.Tensor, ranges) -> torch.Tensor:
         """Max-pool each head's range scores over its neighbours in position order (SnapKV's smoothing)."""
