@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
