@@ -19,7 +19,8 @@ Arms, per method (one ``LLM`` per method, its decode compiled once; the arms run
   is pruned to ``--prune-ratio`` of its tokens with KVzip scoring (``LLM.prune``; page-aligned inside the result).
 
 Reported per arm: end-to-end time, prompt tokens computed (prefill work) against the trace's logical prompt
-tokens, KV pages in use at the peak (all of them, and without idle reusable state) and on average over time, turn
+tokens, KV pages in use at the peak (all of them, and without idle reusable state), on average over time and as a
+timeline (``pages_timeline``: up to 200 ``[seconds, pages]`` samples, plotted next to ``--out`` as a PNG), turn
 latency and TTFT, chain / prefix hits, preemptions, prunes (count, seconds, pages freed). JSON lines go to
 ``--out`` (a header, then one row per arm); a table is printed last, with each arm's speedup over
 ``vanilla``/``none`` and ``vanilla``/``prefix``. Each arm runs in try/except (an error is
@@ -54,6 +55,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multiturn_plot import plot_pages  # noqa: E402
 from serving import StubTokenizer, make_model  # noqa: E402
 
 import sparsecompile  # noqa: E402
@@ -118,6 +120,7 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
     latencies, ttfts, logical_prompt = [], [], 0
     peak_used = peak_active = 0
     page_seconds, last_sample = 0.0, None  # pages in use integrated over time
+    timeline: list[tuple[float, int]] = []  # (seconds since the start, pages in use) after every engine step
     prunes = {"count": 0, "seconds": 0.0, "freed_pages": 0, "rejected": 0}
     page = engine.manager.layout.page_size
     _sync(args.device)
@@ -160,6 +163,7 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
         if last_sample is not None:
             page_seconds += (now - last_sample[0]) * last_sample[1]
         last_sample = (now, used)
+        timeline.append((now - start, used))
         peak_used = max(peak_used, used)
         peak_active = max(peak_active, used - stats.reuse.reclaimable_pages)
         if deadline is not None and time.monotonic() > deadline:
@@ -173,7 +177,7 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
     after = engine.stats()
     page_bytes = engine.manager.bytes_per_page
     r = after.reuse
-    row = dict(method=method, arm=arm, options=METHOD_OPTIONS.get(method, {}), wall_s=wall, timed_out=timed_out,
+    row = dict(method=method, arm=arm, options=options_of(method, args), wall_s=wall, timed_out=timed_out,
                turns_done=sum(s.turn for s in sessions), turns=args.conversations * args.turns,
                prompt_tokens_logical=logical_prompt, prefill_tokens=after.prompt_tokens - before.prompt_tokens,
                generated_tokens=after.generation_tokens - before.generation_tokens,
@@ -187,13 +191,22 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
                chain_hits=r.chain_hits - before.reuse.chain_hits,
                chain_misses={k: v - before.reuse.chain_misses.get(k, 0) for k, v in r.chain_misses.items()},
                chains_reclaimed=r.chains_reclaimed - before.reuse.chains_reclaimed,
-               prefix_hit_tokens=r.prefix.hits if arm == "prefix" else 0)
+               prefix_hit_tokens=r.prefix.hits if arm == "prefix" else 0,
+               pages_timeline=[[round(t, 3), n] for t, n in timeline[::max(1, len(timeline) // 200)]])
     for name, values in (("turn_latency", latencies), ("ttft", ttfts)):
         a = np.asarray(values) if values else np.zeros(1)
         row.update({f"{name}_mean_s": float(a.mean()), f"{name}_p50_s": float(np.percentile(a, 50)),
                     f"{name}_p99_s": float(np.percentile(a, 99))})
     engine.release_idle()
     return row
+
+
+def options_of(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The method's benchmark options, with ``--budget`` in place of its budget (methods that take one)."""
+    options = dict(METHOD_OPTIONS.get(method, {}))
+    if args.budget is not None and "budget" in options:
+        options["budget"] = args.budget
+    return options
 
 
 def _prune(llm: LLM, s: Session, span: tuple[int, int], page: int, ratio: float, prunes: dict) -> None:
@@ -224,7 +237,7 @@ def method_rows(model: torch.nn.Module, method: str, arms: list[str], args: argp
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=longest, cuda_graph_sizes=[args.max_num_seqs], compile=compiled,
                   cuda_graphs=compiled, prefill_chunk_size=args.chunk, max_idle_chains=args.conversations,
-                  **METHOD_OPTIONS.get(method, {}))
+                  **options_of(method, args))
         warm = [[3 + i % 997 for i in range(min(longest - 8, args.chunk + 64))], [5] * 16]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         _sync(args.device)
@@ -321,6 +334,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help=f"a smaller trace: {QUICK}")
     parser.add_argument("--prune-lag", type=int, default=4, help="prune arm: the tool result of this many turns ago")
     parser.add_argument("--prune-ratio", type=float, default=0.2, help="prune arm: fraction of its tokens kept")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="budget of every method that takes one (default 2048); a budget the histories do not "
+                             "reach shows what pruning frees (under a binding budget it changes what is kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -373,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
                 out.flush()
                 print(json.dumps(row), flush=True)
     print(table(rows, header), flush=True)
+    try:
+        plot_pages(rows, os.path.splitext(args.out)[0] + ".png", header)
+    except ImportError:
+        print("(no plot: pip install -e '.[bench]' for matplotlib)", flush=True)
     if cost:
         print("| method | context | prefill s | vs vanilla |\n|---|---|---|---|", flush=True)
         for r in cost:

@@ -17,7 +17,7 @@ def test_multiturn_benchmark_smoke(tmp_path, capsys):
     argv = ["--device", "cpu", "--tiny", "--methods", "snapkv", "--conversations", "2", "--turns", "2",
             "--min-tool", "16", "--max-tool", "40", "--min-output", "2", "--max-output", "4", "--first-prompt", "8",
             "--tool-wait", "0,0.01", "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk", "32",
-            "--prune-lag", "1", "--kvzip-cost", "48", "--out", str(out)]
+            "--prune-lag", "1", "--kvzip-cost", "48", "--budget", "4096", "--out", str(out)]
     assert multiturn.main(argv) == 0
     header, *rows = [json.loads(line) for line in out.read_text().splitlines()]
     cost, rows = rows[:3], rows[3:]
@@ -29,7 +29,15 @@ def test_multiturn_benchmark_smoke(tmp_path, capsys):
         assert "error" not in row, row
         assert row["turns_done"] == 4 and not row["timed_out"]
         assert row["generated_tokens"] == rows[0]["generated_tokens"]
+        assert row["options"]["budget"] == 4096
+        seconds, pages = zip(*row["pages_timeline"])
+        assert list(seconds) == sorted(seconds) and 0 < max(pages) <= row["peak_pages_used"]
     assert rows[0]["prefill_tokens"] == rows[0]["prompt_tokens_logical"]  # no reuse: every turn recomputed
     assert rows[1]["chain_hits"] == 2 and rows[1]["prefill_tokens"] < rows[0]["prefill_tokens"]
     assert rows[2]["prunes"] == 2 and rows[2]["prune_freed_pages"] >= 0 and rows[2]["chain_hits"] == 2
     assert "| snapkv | chain |" in capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401 - the plot is drawn when the bench extra is installed
+    except ImportError:
+        return
+    assert (tmp_path / "multiturn.png").stat().st_size > 0

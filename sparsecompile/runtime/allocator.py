@@ -57,34 +57,41 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free")
-        pages = [self._free.pop() for _ in range(n)]
-        for page in pages:
-            self._refcount[page] = 1
+        if n == 0:
+            return []
+        # Vectorised (a 128K prompt takes 8K pages per layer): the last n of the free list, in pop order.
+        pages = self._free[:-n - 1:-1]
+        del self._free[-n:]
+        self._refcount[pages] = 1
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
-        pages = list(pages)
-        for page in pages:
-            self._check_live(page)
-        for page in pages:
-            self._refcount[page] += 1
+        arr = self._live(pages)
+        np.add.at(self._refcount, arr, 1)
 
     def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference to each page; pages reaching zero return to the free list."""
-        pages = list(pages)
-        pending: dict[int, int] = {}
-        for page in pages:
-            pending[page] = pending.get(page, 0) + 1
-            self._check_live(page)
-            if pending[page] > self._refcount[page]:
-                raise ValueError(f"page {page} freed more times than it is referenced ({self._refcount[page]})")
-        for page in pages:
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
-                self._free.append(page)
+        """Drop one reference to each page; pages reaching zero return to the free list (in the order of their
+        last reference in ``pages``)."""
+        arr = self._live(pages)
+        if arr.size == 0:
+            return
+        uniq, first_from_end, counts = np.unique(arr[::-1], return_index=True, return_counts=True)
+        over = counts > self._refcount[uniq]
+        if over.any():
+            page = int(uniq[over][0])
+            raise ValueError(f"page {page} freed more times than it is referenced ({self._refcount[page]})")
+        self._refcount[uniq] -= counts
+        zero = self._refcount[uniq] == 0
+        last = arr.size - 1 - first_from_end[zero]
+        self._free.extend(uniq[zero][np.argsort(last, kind="stable")].tolist())
 
-    def _check_live(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise ValueError(f"page {page} is outside the pool (0..{self.num_pages - 1})")
-        if self._refcount[page] == 0:
-            raise ValueError(f"page {page} is not allocated (double free or use after free)")
+    def _live(self, pages: Iterable[int]) -> np.ndarray:
+        """``pages`` as an int64 array, every one inside the pool and allocated (else ValueError, nothing changed)."""
+        arr = np.asarray(pages if isinstance(pages, np.ndarray) else list(pages), dtype=np.int64).reshape(-1)
+        outside = (arr < 0) | (arr >= self.num_pages)
+        if outside.any():
+            raise ValueError(f"page {int(arr[outside][0])} is outside the pool (0..{self.num_pages - 1})")
+        dead = self._refcount[arr] == 0
+        if dead.any():
+            raise ValueError(f"page {int(arr[dead][0])} is not allocated (double free or use after free)")
+        return arr

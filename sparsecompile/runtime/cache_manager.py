@@ -65,7 +65,7 @@ class CacheManager(SharedPages, SlotAccess):
         # Pending host -> device updates: whole rows (rare), slot counts (every step), new table entries.
         self._dirty_rows: set[int] = set()
         self._dirty_lengths: set[int] = set()
-        self._new_entries: list[tuple[int, int, int, int]] = []
+        self._new_entries: list[np.ndarray] = []  # [k, 4] int64 blocks of (row, layer, index, page)
         self._init_sharing()
         self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
 
@@ -233,15 +233,18 @@ class CacheManager(SharedPages, SlotAccess):
                              f"the block table holds {maxp * P}")
         owned = self._owned[rows]
         want = -(-new_counts // P)
-        fresh = iter(self.allocator.allocate(int(np.maximum(want - owned, 0).sum())))
+        fresh = np.asarray(self.allocator.allocate(int(np.maximum(want - owned, 0).sum())), dtype=np.int64)
+        taken = 0
         for i, layer in zip(*np.nonzero(want > owned)):
             row, pages = rows[i], self._pages[rows[i]][layer]
-            while len(pages) < want[i, layer]:
-                page = next(fresh)
-                self._host_table[row, layer, len(pages)] = page
-                self._new_entries.append((row, layer, len(pages), page))
-                pages.append(page)
-            self._owned[row, layer] = len(pages)
+            have, need = len(pages), int(want[i, layer])
+            new = fresh[taken:taken + need - have]
+            taken += need - have
+            self._host_table[row, layer, have:need] = new
+            self._new_entries.append(np.stack([np.full_like(new, row), np.full_like(new, layer),
+                                               np.arange(have, need), new], axis=1))
+            pages.extend(new.tolist())
+            self._owned[row, layer] = need
         self._host_lengths[rows] = np.maximum(self._host_lengths[rows], new_counts)
         self._dirty_lengths.update(rows)
 
@@ -275,7 +278,7 @@ class CacheManager(SharedPages, SlotAccess):
             self._dirty_lengths.update(self._dirty_rows)
             self._dirty_rows.clear()
         if self._new_entries:
-            entries = to_device(np.array(self._new_entries, dtype=np.int64), dev)  # (row, layer, index, page)
+            entries = to_device(np.concatenate(self._new_entries), dev)  # [n, 4]: (row, layer, index, page)
             self.block_table.index_put_((entries[:, 0], entries[:, 1], entries[:, 2]), entries[:, 3].to(torch.int32))
             self._new_entries.clear()
         if self._dirty_lengths:

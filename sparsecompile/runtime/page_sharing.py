@@ -118,7 +118,7 @@ class SharedPages:
         self.allocator.free([old])  # still referenced by the other holders: it stays allocated
         self._pages[row][layer][index] = new
         self._host_table[row, layer, index] = new
-        self._new_entries.append((row, layer, index, new))
+        self._new_entries.append(np.array([[row, layer, index, new]], dtype=np.int64))
         self._copies.append((old, new))
 
     def _run_copies(self) -> None:
