@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_pair
 from torch import nn
+from torch._dynamo.utils import counters
 
 import sparsecompile
 from sparsecompile.models.colocate import colocate_projections, separate_projections
@@ -29,6 +30,9 @@ def _compile_counting(module):
 
     def backend(gm, example_inputs):
         seen.append(fuse_sibling_linears(gm, example_inputs))
+        # every computed node keeps its example value (with or without bias): a node without one makes AOTAutograd's
+        # cache bypass the whole graph, and a new process then pays the full AOT compile again
+        assert [n.name for n in gm.graph.nodes if n.op.startswith("call") and "example_value" not in n.meta] == []
         return gm.forward
 
     torch._dynamo.reset()
@@ -75,7 +79,9 @@ def test_compiled_decode_fuses_every_layer_and_restore_separates(model_type):
     sparsecompile.optimize(model, "vanilla", page_size=4, compile=True)
     ids = torch.randint(3, 96, (2, 9))
     want = reference.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    bypassed = counters["aot_autograd"]["autograd_cache_bypass"]
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == bypassed  # the fused graph is cacheable on disk
     backend = patched_model(model).controller.decode_backend
     assert backend.fused_groups == 2 * 2  # q/k/v and gate/up in each of 2 layers
     sparsecompile.restore(model)

@@ -96,7 +96,9 @@ def _fuse(graph: fx.Graph, x: fx.Node, run: list, first: fx.Node, real: dict[fx.
         values = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in args]
         fake = [v for v in values if isinstance(v, FakeTensor)]
         fake += [t for v in values if isinstance(v, (tuple, list)) for t in v if isinstance(t, FakeTensor)]
-        if fake and all(v is not None for v in values):
+        # every node argument must have its value (an absent bias is a plain None, not a node): a node left without
+        # ``example_value`` makes AOTAutograd's cache bypass the whole graph ("Unsupported call_method target")
+        if fake and all(v is not None for a, v in zip(args, values) if isinstance(a, fx.Node)):
             with fake[0].fake_mode:
                 new.meta["example_value"] = target(*values)
         return new
