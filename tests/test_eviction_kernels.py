@@ -1,5 +1,6 @@
-"""Scoring ops of the eviction methods: ``snapkv_scores`` and ``h2o_accumulate`` against loop-by-loop math,
-their Triton kernels (interpreter on CPU) against the torch references at toy sizes, and opcheck."""
+"""Ops of the eviction methods: ``snapkv_scores`` and ``h2o_accumulate`` against loop-by-loop math, ``move_slots``
+(decode eviction's hole filling) against a pair-by-pair copy, their Triton kernels (interpreter on CPU) against the
+torch references at toy sizes, and opcheck."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 import pytest
 import torch
 
-from sparsecompile.kernels import h2o_accumulate, h2o_accumulate_reference, snapkv_scores, snapkv_scores_reference
+from sparsecompile.kernels import (h2o_accumulate, h2o_accumulate_reference, move_slots, move_slots_reference,
+                                   snapkv_scores, snapkv_scores_reference)
 from sparsecompile.kernels.library import triton_available
 
 NUM_PAGES, HEADS, PAGE, DIM, GROUP = 10, 2, 4, 16, 3
@@ -116,3 +118,55 @@ def test_triton_eviction_ops_match_reference(block_size, entries, queries, windo
     h2o_accumulate_reference(want, query, *args)
     h2o_accumulate_triton(got, query, *args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _move_case(seed=0, pairs=3):
+    """Pools, two rows' table rows (disjoint pages) and per-(row, head) pairs with disjoint sources and
+    destinations (some pairs skipped with -1)."""
+    g = torch.Generator().manual_seed(seed)
+    pools = [torch.randn(NUM_PAGES + 1, HEADS, PAGE, DIM, generator=g) for _ in range(2)]
+    pools.append(torch.randint(0, 99, (NUM_PAGES + 1, HEADS, PAGE), generator=g, dtype=torch.int32))
+    pools.append(torch.rand(NUM_PAGES + 1, HEADS, PAGE, generator=g))
+    table = torch.randperm(NUM_PAGES, generator=g)[:8].reshape(2, 4).to(torch.int32)
+    slots = torch.stack([torch.stack([torch.randperm(4 * PAGE, generator=g)[:2 * pairs] for _ in range(HEADS)])
+                         for _ in range(2)])
+    src, dst = slots[..., :pairs].clone(), slots[..., pairs:].clone()
+    src[0, 1, 0] = -1  # skipped pairs
+    dst[1, 0, -1] = -1
+    return pools, table, src, dst
+
+
+def test_move_slots_copies_each_pair_in_every_pool():
+    pools, table, src, dst = _move_case()
+    want = [p.clone() for p in pools]
+    for b in range(2):
+        for h in range(HEADS):
+            for s, d in zip(src[b, h].tolist(), dst[b, h].tolist()):
+                if s >= 0 and d >= 0:
+                    for pool in want:
+                        pool[table[b, d // PAGE], h, d % PAGE] = pool[table[b, s // PAGE], h, s % PAGE]
+    move_slots(pools[0], pools[1], pools[2], pools[3:], table, src, dst)
+    for got, expected in zip(pools, want):
+        assert torch.equal(got, expected)
+
+
+def test_opcheck_move_slots():
+    pools, table, src, dst = _move_case(1)
+    torch.library.opcheck(torch.ops.sparsecompile.move_slots.default, (pools[0], pools[1], pools[2], pools[3:], table,
+                                                                       src, dst))
+    torch.library.opcheck(torch.ops.sparsecompile.move_slots.default, (pools[0], pools[1], pools[2], [], table,
+                                                                       src[..., :0], dst[..., :0]))
+
+
+@triton_only
+def test_triton_move_slots_matches_reference():
+    from sparsecompile.kernels.slot_move import move_slots_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pools, table, src, dst = (x if not isinstance(x, list) else [t.to(device) for t in x] for x in _move_case(2))
+    table, src, dst = table.to(device), src.to(device), dst.to(device)
+    want = [p.clone() for p in pools]
+    move_slots_reference(want[0], want[1], want[2], want[3:], table, src, dst)
+    move_slots_triton(pools[0], pools[1], pools[2], pools[3:], table, src, dst)
+    for got, expected in zip(pools, want):
+        assert torch.equal(got, expected)

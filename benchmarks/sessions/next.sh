@@ -28,7 +28,7 @@ prefill)
     --contexts 8192 --batches 1,4 --chunk-sizes 0 --out "$OUT" --tag _h200 > "$OUT/prefill_8k.log" 2>&1
   echo "8K rc=$?"; grep '"system"' "$OUT/prefill_8k.log" | cut -c1-200 ;;
 verify)
-  timeout -s INT 540 $P tests/gpu --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
+  timeout -s INT 540 $P tests/gpu tests/test_eviction_kernels.py --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
     > "$OUT/gpu_tests_verify.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify.log" | tail -12 ;;
 arms)

@@ -12,6 +12,7 @@ from .paged_attention import paged_attention, paged_attention_lse, paged_attenti
 from .pool import gather_slots, view_slots, visibility
 from .prefill_attention import paged_prefill_attention, prefill_attention_reference
 from .quest_scores import page_minmax_update, quest_page_scores, quest_page_scores_reference
+from .slot_move import move_slots, move_slots_reference
 from .snapkv_scores import snapkv_scores, snapkv_scores_reference
 from .topk_select import topk_select, topk_select_reference
 
@@ -24,5 +25,5 @@ __all__ = [
     "h2o_accumulate", "h2o_accumulate_reference", "h2o_accumulate_lse", "h2o_accumulate_lse_reference",
     "attention_lse_reference", "kvzip_scores", "kvzip_scores_reference", "snapkv_scores", "snapkv_scores_reference",
     "kivi_decode_attention", "kivi_decode_attention_reference", "kivi_dequantize", "kivi_quantize",
-    "kivi_quantize_reference",
+    "kivi_quantize_reference", "move_slots", "move_slots_reference",
 ]

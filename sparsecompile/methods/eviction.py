@@ -152,7 +152,7 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
 
     dst, src = packed(hole, victims), packed(mover, tail)
     ok = (dst >= 0) & (src >= 0)
-    manager.move_slots(layer, rows, torch.where(ok, src, -1), torch.where(ok, dst, -1))
+    manager.fill_slots(layer, rows, torch.where(ok, src, -1), torch.where(ok, dst, -1))  # holes and tail: disjoint
 
 
 # ---------------------------------------------------------------------------------------------- runtime

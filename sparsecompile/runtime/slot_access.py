@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import gather_slots, kv_write
+from ..kernels import move_slots as move_slots_op
 from .step import StepState
 from .view import AttentionView, PageSelection, Selection, SlotSelection
 
@@ -133,6 +134,16 @@ class SlotAccess:
         moved = [gather_slots(pool, g_src) for pool in pools]  # read everything before writing
         for pool, values in zip(pools, moved):
             self.scatter_slots(pool, g_dst, values)
+
+    def fill_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """:meth:`move_slots` when, per ``(row, head)``, no destination is also a source (decode eviction filling
+        its holes from the tail): one ``move_slots`` op that reads the block table itself, so a compiled step holds
+        one node per layer for it instead of the traced gathers and scatters of every pool."""
+        if self.storage is not None:
+            self.move_slots(layer, rows, src, dst)
+            return
+        move_slots_op(self.k_pool, self.v_pool, self.pos_pool, list(self.slot_metadata.values()),
+                      self.block_table[rows, layer], src, dst)
 
     def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:
         """Empty (position -1) the slots among the first ``count`` of ``(row, layer)`` whose token is at position
