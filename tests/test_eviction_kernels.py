@@ -9,8 +9,14 @@ import math
 import pytest
 import torch
 
-from sparsecompile.kernels import (h2o_accumulate, h2o_accumulate_reference, move_slots, move_slots_reference,
-                                   snapkv_scores, snapkv_scores_reference)
+from sparsecompile.kernels import (
+    h2o_accumulate,
+    h2o_accumulate_reference,
+    move_slots,
+    move_slots_reference,
+    snapkv_scores,
+    snapkv_scores_reference,
+)
 from sparsecompile.kernels.library import triton_available
 
 NUM_PAGES, HEADS, PAGE, DIM, GROUP = 10, 2, 4, 16, 3
