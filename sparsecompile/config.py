@@ -84,6 +84,8 @@ class EngineConfig:
     num_pages: int | None = option(None, "fixed KV pool size in pages (default: sized from the method's memory "
                                          "oracle and grown on demand)")
     show_progress: bool = option(False, "a progress bar over prefill chunks")
+    prefill_mlp_chunk: int = option(16384, "tokens per MLP call in a longer prefill forward (attention still sees "
+                                           "the whole chunk): caps the MLP's activations; 0 = one call")
     fuse_projections: bool = option(True, "compiled decode runs each layer's q/k/v and gate/up projections as one "
                                           "GEMM per group")
     compile_cache: bool = option(True, "keep inductor's compiled graphs and kernels on disk (under the sparsecompile "
@@ -107,6 +109,8 @@ class EngineConfig:
             if getattr(self, name) not in (True, False, "auto"):
                 raise MethodConfigError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         _positive_int("num_pages", self.num_pages, allow_none=True)
+        if self.prefill_mlp_chunk != 0:
+            _positive_int("prefill_mlp_chunk", self.prefill_mlp_chunk)
         _positive_int("tp_size", self.tp_size)
         t = self.tp_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
