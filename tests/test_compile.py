@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny_models import tiny_pair
@@ -123,3 +127,17 @@ def test_warmup_compiles_ahead_into_the_disk_cache(tmp_path, monkeypatch, caplog
     want = reference.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), want)
     assert counters["stats"]["unique_graphs"] == graphs  # the warmed-up graph served the real call
+
+
+def test_a_fresh_process_puts_inductor_graphs_under_the_sparsecompile_cache(tmp_path):
+    """Importing inductor's config sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default; that must not win over ours
+    (it did: every process wrote to /tmp, and carried caches came back empty), while a user's own setting does."""
+    code = ("import sparsecompile; from sparsecompile.runtime.compilation import enable_compile_caches; "
+            "print(enable_compile_caches())")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env["SPARSECOMPILE_CACHE"] = str(tmp_path)
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ours.stdout.strip().startswith(str(tmp_path / "compile"))
+    mine = subprocess.run([sys.executable, "-c", code], env={**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "own")},
+                          capture_output=True, text=True, check=True)
+    assert mine.stdout.strip() == str(tmp_path / "own")

@@ -332,7 +332,7 @@ class EvictionRuntime(SparseMethod):
         width = self.decode_width(manager)
         budget = self._limits[step.rows, 0]
         for layer in range(self.model.num_layers):
-            count = manager.lengths[step.rows, layer].long()
+            count = manager.lengths[step.rows, manager.layer_key(layer)].long()
             evict = torch.where(count >= budget + self.decode_interval, count - budget, 0)
             slots, valid, pos = resident(manager, layer, step.rows, width)
             scores = self.decode_scores(manager, step, layer, slots, pos)

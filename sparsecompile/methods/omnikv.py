@@ -194,7 +194,7 @@ class OmniKVRuntime(SparseMethod):
         m, rows = ctx.manager, ctx.step.rows
         capacity = self._capacity(m)
         width = self._width(capacity)
-        length = m.lengths[rows, ctx.layer].long()  # [batch]
+        length = m.lengths[rows, m.layer_key(ctx.layer)].long()  # [batch]
         prompt, count = self.prompt[rows], self.count[rows]
         decoded = (length - prompt).clamp(min=0)
         j = torch.arange(capacity, device=length.device)[None, :].expand(length.shape[0], -1)
@@ -216,7 +216,7 @@ class OmniKVRuntime(SparseMethod):
     def _observe(self, ctx: LayerContext) -> None:
         """Score the row's prompt slots with this layer's decode query and store the top set for later layers."""
         m, rows = ctx.manager, ctx.step.rows
-        table = m.block_table[rows, ctx.layer]  # [batch, max_pages]
+        table = m.block_table[rows, m.layer_key(ctx.layer)]  # [batch, max_pages]
         prompt = self.prompt[rows]
         scores = omnikv_scores(ctx.query[:, :, -1, :], m.k_pool, table, prompt)  # [batch, capacity]
         # The max over query heads spans every rank's heads under tensor parallelism: one set on all ranks.

@@ -182,8 +182,8 @@ class QuestRuntime(SparseMethod):
         P, H = m.layout.page_size, m.layout.num_kv_heads
         budget = self.config.budget
         rows = ctx.step.rows
-        table = m.block_table[rows, ctx.layer]  # [batch, max_pages] pool page ids
-        length = m.lengths[rows, ctx.layer].long()  # [batch] slots after this step's write
+        table = m.block_table[rows, m.layer_key(ctx.layer)]  # [batch, max_pages] pool page ids
+        length = m.lengths[rows, m.layer_key(ctx.layer)].long()  # [batch] slots after this step's write
         n_pages = (length + P - 1) // P
         scores = quest_page_scores(ctx.query[:, :, -1, :], m.page_metadata[KMIN], m.page_metadata[KMAX], table,
                                    n_pages)  # [batch, kv_heads, max_pages]

@@ -68,6 +68,13 @@ class CacheManager(SharedPages, SlotAccess):
         self._new_entries: list[np.ndarray] = []  # [k, 4] int64 blocks of (row, layer, index, page)
         self._init_sharing()
         self._allocate_device(num_pages, max_seqs, max_pages_per_seq)
+        # One index tensor per layer, for device-side ``[rows, layer]`` lookups: a Python int would be a constant in
+        # every kernel inductor generates for that layer, so the 32 layers' copies of one kernel would differ only
+        # in it and compile 32 times; a tensor is a graph input, and the copies are one kernel. Shape [1], not 0-d:
+        # indexing turns a 0-d integer tensor into a Python int (a data-dependent value under compile).
+        self._layer_keys = [torch.full((1,), layer, dtype=torch.long, device=layout.device) for layer in range(L)]
+        for key in self._layer_keys:
+            torch._dynamo.mark_static_address(key)
 
     @property
     def num_pages(self) -> int:

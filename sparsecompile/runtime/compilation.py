@@ -117,13 +117,21 @@ def allow_recompiles(graphs: int) -> None:
 def enable_compile_caches() -> str:
     """Keep compiled graphs on disk so a new process starts warm: inductor's FX graph cache and the AOTAutograd
     cache, with inductor's and Triton's cache directories under ``<cache_root>/compile/torch-<version>`` (a user's
-    own ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win). Returns the inductor cache directory."""
+    own ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win). Returns the inductor cache directory.
+
+    Importing ``torch._inductor.config`` sets ``TORCHINDUCTOR_CACHE_DIR`` to torch's default
+    (``/tmp/torchinductor_<user>``) as a side effect, so that value counts as unset: the graphs then land in our
+    cache directory, which benchmarks and deployments carry between machines, not in ``/tmp``."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = cache_root() / "compile" / f"torch-{torch.__version__}"
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / "triton"))
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    base = cache_root() / "compile" / f"torch-{torch.__version__}"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(base / "triton"))
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

@@ -242,10 +242,10 @@ class KiviStorage:
         m = self.manager
         H, P = m.layout.num_kv_heads, m.layout.page_size
         rows = step.rows
-        lengths = m.lengths[rows, layer]
+        lengths = m.lengths[rows, m.layer_key(layer)]
         if step.is_prefill:
             return self._materialize(layer, step)
-        table = m.block_table[rows, layer]
+        table = m.block_table[rows, m.layer_key(layer)]
         quant = QuantizedKV(self.page_tensors(), self.ring_k, self.ring_v, self._ring_rows(layer, rows),
                             self.spec.quantized(lengths.long() - step.num_new))
         return AttentionView(None, None, m.pos_pool, table[:, None, :].expand(-1, H, -1),
@@ -263,7 +263,7 @@ class KiviStorage:
         n = max(1, math.ceil(int(counts.max()) / P))
         S = n * P
         table = m.block_table[rows, layer, :n]
-        lengths = m.lengths[rows, layer].long()
+        lengths = m.lengths[rows, m.layer_key(layer)].long()
         if self.spec.quantized(history).max() > 0:  # quantized history: dequantize its pages
             k, v = kivi_dequantize(*self.page_tensors(), table, key.dtype)  # [B, n, H, P, D]
             k = k.transpose(1, 2).reshape(batch, H, S, D)
@@ -307,7 +307,7 @@ class KiviStorage:
             return
         # decode: at most one group per row, read from the ring
         G = self.spec.group_size
-        lengths = m.lengths[rows, layer].long()
+        lengths = m.lengths[rows, m.layer_key(layer)].long()
         start = self.spec.quantized(lengths - step.num_new)
         due = self.spec.quantized(lengths) > start
         slots = (start[:, None] + torch.arange(G, device=rows.device)) % self.spec.ring  # [B, G]

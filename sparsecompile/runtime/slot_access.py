@@ -40,13 +40,20 @@ class SlotAccess:
     _host_lengths: np.ndarray
     _holes: set[int]
 
+    _layer_keys: list[torch.Tensor]
+
     def _check_row(self, row: int) -> None: ...
+
+    def layer_key(self, layer: int) -> torch.Tensor:
+        """``layer`` as a ``[1]`` device tensor, the index of traced ``lengths`` / ``block_table`` lookups (see
+        ``CacheManager.__init__``: one kernel for all layers instead of one per layer)."""
+        return self._layer_keys[layer]
 
     # ------------------------------------------------------------------ device side (traceable)
     def global_slots(self, layer: int, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1)."""
         P = self.layout.page_size
-        table = self.block_table[rows, layer]  # [batch, max_pages]
+        table = self.block_table[rows, self.layer_key(layer)]  # [batch, max_pages]
         flat = local.reshape(local.shape[0], -1)
         safe = flat.clamp(min=0)
         pages = torch.gather(table, 1, safe // P).long()
@@ -59,7 +66,7 @@ class SlotAccess:
         New tokens land after the slots already in use (``lengths`` already counts them: see
         :meth:`ensure_slots`). Slot metadata of the new slots is reset to its fill value.
         """
-        used = self.lengths[step.rows, layer].long() - step.num_new  # [batch]
+        used = self.lengths[step.rows, self.layer_key(layer)].long() - step.num_new  # [batch]
         local = torch.where(step.new_offsets >= 0, used[:, None] + step.new_offsets, step.new_offsets)
         slots = self.global_slots(layer, step.rows, local)
         if self.storage is None:
@@ -91,10 +98,10 @@ class SlotAccess:
             if selection is not None:
                 raise TypeError("a KIVI-stored cache has no logical selection (selection methods are refused)")
             return self.storage.view(layer, step)
-        table = self.block_table[rows, layer]  # [batch, max_pages]
+        table = self.block_table[rows, self.layer_key(layer)]  # [batch, max_pages]
         if selection is None:
             index = table[:, None, :].expand(-1, H, -1)
-            lengths = self.lengths[rows, layer][:, None].expand(-1, H)
+            lengths = self.lengths[rows, self.layer_key(layer)][:, None].expand(-1, H)
             return AttentionView(self.k_pool, self.v_pool, self.pos_pool, index, lengths, P)
         if isinstance(selection, PageSelection):
             pages = torch.gather(table[:, None, :].expand(-1, H, -1), 2, selection.pages.clamp(min=0))
@@ -114,7 +121,7 @@ class SlotAccess:
     def resident_slot_ids(self, layer: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slot ids of the first ``width`` row-local slots ``[batch, width]`` and their validity."""
         local = torch.arange(width, device=rows.device)[None, :].expand(rows.shape[0], -1)
-        valid = local < self.lengths[rows, layer][:, None]
+        valid = local < self.lengths[rows, self.layer_key(layer)][:, None]
         return self.global_slots(layer, rows, torch.where(valid, local, -1)), valid
 
     def move_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -143,7 +150,7 @@ class SlotAccess:
             self.move_slots(layer, rows, src, dst)
             return
         move_slots_op(self.k_pool, self.v_pool, self.pos_pool, list(self.slot_metadata.values()),
-                      self.block_table[rows, layer], src, dst)
+                      self.block_table[rows, self.layer_key(layer)], src, dst)
 
     def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:
         """Empty (position -1) the slots among the first ``count`` of ``(row, layer)`` whose token is at position
