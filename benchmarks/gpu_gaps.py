@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import METHOD_OPTIONS  # noqa: E402
+from generate_profile import _generate  # noqa: E402
 from serving import make_model  # noqa: E402
 
 import sparsecompile  # noqa: E402
@@ -109,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     sparsecompile.optimize(model, args.method, prefill_chunk_size=0, **METHOD_OPTIONS[args.method])
 
     def generate() -> None:
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                       min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        _generate(model, ids, args.new_tokens)
     generate(), generate()
     reports.append(f"## optimize({args.method}) + generate(max_new_tokens={args.new_tokens})\n"
                    + gaps_report(*trace_of(generate, cuda), args.min_gap_ms))

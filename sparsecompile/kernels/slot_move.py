@@ -14,6 +14,8 @@ holds a single node per layer for the move (it was about 70, which inductor comp
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .library import define_op
@@ -86,7 +88,7 @@ def move_slots_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torc
     page_size = pos_pool.shape[2]
     src, dst = src.contiguous(), dst.contiguous()
     for pool in (k_pool, v_pool, pos_pool, *metadata):
-        elems = pool[0, 0, 0].numel()
+        elems = math.prod(pool.shape[3:])  # head_dim for K / V, 1 for positions and metadata
         _move_slots_kernel[(batch, kv_heads)](pool, table, src, dst, n, table.stride(0), kv_heads, page_size, elems,
                                               triton.next_power_of_2(elems))
 

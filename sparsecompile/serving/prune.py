@@ -292,8 +292,8 @@ class Pruner:
             return {layer: self._pool(s, self._positions(chain.row, layer, widths[layer]), ranges)
                     for layer, s in scores.items()}
         repeat, cont = self._lead_ids()
-        lead = max(len(repeat), len(cont) + LEAD_IN)  # KVzip re-reads in chunks of 2048, fewer if the row is full
-        chunk = min(CHUNK, self._room(max(widths), lead + LEAD_IN, "KVzip's re-read") - lead)
+        longest_lead = max(len(repeat), len(cont) + LEAD_IN)  # chunks of 2048, fewer if the row cannot hold them
+        chunk = min(CHUNK, self._room(max(widths), longest_lead + LEAD_IN, "KVzip's re-read") - longest_lead)
         first = True
         for lo, hi in ranges:
             for start in range(lo, hi, chunk):
