@@ -11,7 +11,7 @@
 #   bash benchmarks/tp_session.sh tp2      # the same at TP 2 (2 GPUs), compared with TP 1; the targets table ~6-8 min
 #   bash benchmarks/tp_session.sh quick    # both sizes at 4 layers / 32K in $RESULTS/quick (a smoke run)
 #
-# NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+# TP_TIMEOUT (seconds, default 580) bounds each torchrun. NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv >"$RESULTS/gpu.txt" 
 tp() {  # tp <ranks> <log> <tp.py arguments...>
   local ranks=$1 log=$2
   shift 2
-  timeout 580 torchrun --standalone --nproc-per-node "$ranks" benchmarks/tp.py --out "$RESULTS" "$@" \
+  timeout "${TP_TIMEOUT:-580}" torchrun --standalone --nproc-per-node "$ranks" benchmarks/tp.py --out "$RESULTS" "$@" \
     >>"$RESULTS/$log" 2>&1
   echo "rc=$?" >>"$RESULTS/$log"
 }

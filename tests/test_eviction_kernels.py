@@ -30,11 +30,14 @@ def _pool(seed=0):
 
 
 def _case(block_size, entries, queries, seed=0):
-    """A view whose entries never repeat a slot within a (row, head) list (as real views)."""
+    """A view in which no slot appears twice for one KV head, across rows too (as real views: the CUDA
+    ``h2o_accumulate`` adds without atomics, so two rows sharing a slot would race there)."""
     g = torch.Generator().manual_seed(seed + 7)
     batch = 2
-    index = torch.stack([torch.stack([torch.randperm(NUM_PAGES * PAGE // block_size, generator=g)[:entries]
-                                      for _ in range(HEADS)]) for _ in range(batch)]).to(torch.int32)
+    blocks = NUM_PAGES * PAGE // block_size
+    assert batch * entries <= blocks, "rows take disjoint blocks of the pool"
+    per_head = torch.stack([torch.randperm(blocks, generator=g)[:batch * entries] for _ in range(HEADS)])
+    index = per_head.view(HEADS, batch, entries).transpose(0, 1).contiguous().to(torch.int32)
     lengths = torch.randint(0, entries * block_size + 1, (batch, HEADS), generator=g, dtype=torch.int32)
     query = torch.randn(batch, HEADS * GROUP, queries, DIM, generator=g)
     qpos = torch.randint(-1, 45, (batch, queries), generator=g)
