@@ -104,3 +104,25 @@ def test_dense_memory_oracle():
     assert oracle.admission_cost(10, 6) == {"kv_pages": 3 * 4}
     assert oracle.step_cost(10, 5, 1) == {"kv_pages": 0} and oracle.step_cost(10, 6, 1) == {"kv_pages": 3}
     assert oracle.fits({"kv_pages": 12}, oracle.resources(12)) and not oracle.fits({"kv_pages": 13}, {"kv_pages": 12})
+
+
+def test_flush_sends_each_rows_changes_once_and_the_device_table_matches_the_host():
+    m = CacheManager(KVLayout(L, H, D, P, torch.float32, torch.device("cpu")), 64, 4, 16)  # 16 pages a row-layer
+    a, b = m.add_sequence(), m.add_sequence()
+    m.ensure_slots([a, b], np.array([[4] * L, [4] * L]))
+    m.flush()
+    sent = []
+    original = m._entries_to_send
+
+    def spy():
+        entries = original()
+        sent.append(entries.copy())
+        return entries
+
+    m._entries_to_send = spy
+    c = m.add_sequence()  # a new row: its whole table row goes, so its entries do not
+    m.ensure_slots([a, b, c], np.array([[8] * L, [60] * L, [12] * L]))  # a: one page a layer; b: 14 (> 16/8)
+    m.flush()
+    assert sorted(set(sent[-1][:, 0].tolist())) == [a] and len(sent[-1]) == L  # b and c went as table rows
+    assert torch.equal(m.block_table[[a, b, c]], torch.from_numpy(m._host_table[[a, b, c]]))
+    assert m.lengths[[a, b, c]].tolist() == [[8] * L, [60] * L, [12] * L]

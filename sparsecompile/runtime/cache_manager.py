@@ -279,19 +279,34 @@ class CacheManager(SharedPages, SlotAccess):
         """
         dev = self.layout.device
         self._run_copies()  # copy-on-write first: the tables below already point at the copies
+        entries = self._entries_to_send()
         if self._dirty_rows:
             rows = np.array(sorted(self._dirty_rows), dtype=np.int64)
             self.block_table[to_device(rows, dev)] = to_device(self._host_table[rows], dev)
             self._dirty_lengths.update(self._dirty_rows)
             self._dirty_rows.clear()
-        if self._new_entries:
-            entries = to_device(np.concatenate(self._new_entries), dev)  # [n, 4]: (row, layer, index, page)
+        if len(entries):
+            entries = to_device(entries, dev)  # [n, 4]: (row, layer, index, page)
             self.block_table.index_put_((entries[:, 0], entries[:, 1], entries[:, 2]), entries[:, 3].to(torch.int32))
-            self._new_entries.clear()
         if self._dirty_lengths:
             rows = np.array(sorted(self._dirty_lengths), dtype=np.int64)
             self.lengths[to_device(rows, dev)] = to_device(self._host_lengths[rows].astype(np.int32), dev)
             self._dirty_lengths.clear()
+
+    def _entries_to_send(self) -> np.ndarray:
+        """The queued table entries ``[n, 4]`` that go one by one; a row whose whole table row goes anyway (a new
+        or released row), or whose entries outweigh it (32 bytes an entry against 4 a table slot: a long prompt's
+        prefill), joins the dirty rows instead, so a flush sends each row's changes once and as few bytes as it can.
+        """
+        if not self._new_entries:
+            return np.empty((0, 4), dtype=np.int64)
+        entries = np.concatenate(self._new_entries)
+        self._new_entries.clear()
+        per_row = np.bincount(entries[:, 0], minlength=self._host_table.shape[0])
+        self._dirty_rows.update(np.nonzero(per_row * 8 > self._host_table[0].size)[0].tolist())
+        if not self._dirty_rows:
+            return entries
+        return entries[~np.isin(entries[:, 0], np.fromiter(self._dirty_rows, dtype=np.int64))]
 
     def _check_row(self, row: int) -> None:
         if row not in self._live_rows:
