@@ -160,13 +160,14 @@ def test_triton_omnikv_scores_match_reference():
 
 
 @triton_only
+@pytest.mark.parametrize("radix_bits", [1, 8])
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
-def test_triton_topk_select_matches_reference(n, k):
+def test_triton_topk_select_matches_reference(n, k, radix_bits):
     from sparsecompile.kernels.topk_select import topk_select_triton
 
     scores = _topk_case(n, n + 1).to(DEVICE)
     counts = torch.tensor([[0, 3, k], [1, k + 4, 2]], device=DEVICE)
-    got = topk_select_triton(scores, counts, k)
+    got = topk_select_triton(scores, counts, k, radix_bits=radix_bits)
     assert torch.equal(got, topk_select_reference(scores, counts, k))
 
 
@@ -184,8 +185,10 @@ def test_triton_topk_select_ties_match_reference(levels):
         scores = torch.randint(0, levels, (4, 5, n), generator=g).float() - levels / 2
     counts = torch.randint(0, k + 8, (4, 5), generator=g)
     counts[0, :3] = torch.tensor([0, 1, n])
-    got = topk_select_triton(scores.to(DEVICE), counts.to(DEVICE), k)
-    assert torch.equal(got.cpu(), topk_select_reference(scores, counts, k))
+    want = topk_select_reference(scores, counts, k)
+    for radix_bits in (1, 8):
+        got = topk_select_triton(scores.to(DEVICE), counts.to(DEVICE), k, radix_bits=radix_bits)
+        assert torch.equal(got.cpu(), want), radix_bits
 
 
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16), (300, 40)])

@@ -8,6 +8,7 @@
 #   bash benchmarks/sessions/next.sh e2e_hf     # #13 128K + 256 tokens: HF eager, HF static cache + compile          ~4 min
 #   bash benchmarks/sessions/next.sh e2e_a      # #13 128K + 256 tokens: vanilla, snapkv, quest, h2o                  ~7 min
 #   bash benchmarks/sessions/next.sh e2e_b      # #13 128K + 256 tokens: pyramidkv, omnikv, streamingllm              ~5 min
+#   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
 #   bash benchmarks/sessions/next.sh export     # #17 export tests of the five methods not re-run after the fix    ~7 min
@@ -40,6 +41,9 @@ e2e_hf|e2e_a|e2e_b)
     *) sys=sparsecompile; m=pyramidkv,omnikv,streamingllm ;; esac
   timeout -s INT 560 python3 benchmarks/prefill.py --e2e --systems $sys --methods $m --out "$OUT" --tag _h200_e2e \
     > "$OUT/$1.log" 2>&1; echo "rc=$?"; grep '"system"' "$OUT/$1.log" | cut -c1-220 ;;
+ops)
+  timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220 ;;
 verify)
   timeout -s INT 540 $P tests/gpu tests/test_eviction_kernels.py --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
     > "$OUT/gpu_tests_verify.log" 2>&1
@@ -53,5 +57,5 @@ kivi)
 export)
   timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|prefill4|e2e_hf|e2e_a|e2e_b|verify|profile|export|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|prefill4|e2e_hf|e2e_a|e2e_b|ops|verify|profile|export|kivi"; exit 2 ;;
 esac

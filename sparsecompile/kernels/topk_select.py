@@ -8,8 +8,12 @@ so the selection is deterministic (unlike ``torch.topk``). Callers force an entr
 ``+inf`` and keep one out with ``-inf`` (and a count that does not reach it).
 
 On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton radix select: one program loads the
-row once as 32-bit order keys, 32 one-bit passes find the ``count``-th largest, and one ordered pass
-writes the winners with a running prefix sum (no sort; ascending by construction). Longer rows
+row once as 32-bit order keys, radix passes find the ``count``-th largest, and one ordered pass
+writes the winners with a running prefix sum (no sort; ascending by construction). The passes are 32
+one-bit block reductions (``radix_bits=1``, the default, measured: 31 us a layer for Quest at 128K x 4,
+``results/profile_quest_128k_b4.txt``) or four 8-bit histograms (``radix_bits=8``: the same keys and the
+same threshold in 4 dependent steps instead of 32; not yet timed on the H200, ``benchmarks/kernels.py`` has
+both rows). Longer rows
 (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over many
 blocks, and the same tie rule and prefix-sum placement in torch ops.
 """
@@ -88,8 +92,38 @@ if triton is not None:
         return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
 
     @triton.jit
+    def _threshold_1bit(key, valid, count):
+        """The largest key t with at least ``count`` keys >= t (the count-th largest key), one bit at a time."""
+        thr = tl.zeros([], dtype=tl.uint32)
+        for i in range(32):
+            cand = thr | (tl.full([], 1, tl.uint32) << (31 - i))
+            thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int32), 0) >= count, cand, thr)
+        return thr
+
+    @triton.jit
+    def _threshold_8bit(key, valid, count):
+        """As :func:`_threshold_1bit`, one byte at a time: among the keys that share the digits chosen so far, a
+        256-bin histogram of the next byte; the digit is the largest d whose keys at or above it, with the keys
+        already known to be greater, still reach ``count``."""
+        thr = tl.zeros([], dtype=tl.uint32)
+        greater = tl.zeros([], dtype=tl.int32)  # keys above every candidate of the remaining digits
+        live = valid
+        bins = tl.arange(0, 512)
+        for i in tl.static_range(4):
+            shift = 24 - 8 * i
+            digit = tl.where(live, ((key >> shift) & 0xFF).to(tl.int32), 256)  # the rest counted in bin 256
+            hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
+            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [512], non-increasing over 0..255
+            fits = (bins < 256) & (greater + at_or_above >= count)
+            d = tl.maximum(tl.sum(fits.to(tl.int32), 0) - 1, 0)  # fits holds exactly for digits 0..d
+            greater += tl.sum(tl.where(bins > d, hist, 0), 0)
+            thr = thr | (d.to(tl.uint32) << shift)
+            live = live & (digit == d)
+        return thr
+
+    @triton.jit
     def _topk_select_kernel(S, C, OUT, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
-                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
         # One program per row; the row is one tile in registers and every radix pass runs from there.
         pid = tl.program_id(0)
         b = pid // HEADS
@@ -101,11 +135,10 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         valid = offs < n
         key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
-        # Radix select: the largest key t with at least `count` keys >= t is the count-th largest key.
-        thr = tl.zeros([], dtype=tl.uint32)
-        for i in range(32):
-            cand = thr | (tl.full([], 1, tl.uint32) << (31 - i))
-            thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int32), 0) >= count, cand, thr)
+        if RADIX_BITS == 8:
+            thr = _threshold_8bit(key, valid, count)
+        else:
+            thr = _threshold_1bit(key, valid, count)
         ties = count - tl.sum((valid & (key > thr)).to(tl.int32), 0)  # keys equal to it to take, lowest index first
         is_eq = (valid & (key == thr)).to(tl.int32)
         take = (valid & (key > thr)) | ((is_eq > 0) & (tl.cumsum(is_eq, 0) - is_eq < ties))
@@ -117,12 +150,16 @@ if triton is not None:
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
 
 
-def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384) -> torch.Tensor:
+def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384,
+                       radix_bits: int = 1) -> torch.Tensor:
     """CUDA implementation with the semantics of :func:`topk_select_reference`.
 
-    Rows of up to ``max_tile`` scores: the Triton radix select, one program per row. Longer rows (OmniKV's
-    prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads a row over many blocks.
+    Rows of up to ``max_tile`` scores: the Triton radix select, one program per row, ``radix_bits`` 1 or 8 a
+    pass. Longer rows (OmniKV's prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads a row
+    over many blocks.
     """
+    if radix_bits not in (1, 8):
+        raise ValueError(f"radix_bits is 1 or 8, got {radix_bits}")
     batch, heads, n = scores.shape
     if n > max_tile:
         return _topk_select_long(scores, counts, k)
@@ -134,7 +171,7 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
     block = max(16, triton.next_power_of_2(max(n, k)))
     _topk_select_kernel[(batch * heads,)](
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
-        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block,
+        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, RADIX_BITS=radix_bits,
         num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4,
     )
     return out

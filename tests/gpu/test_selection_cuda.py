@@ -31,8 +31,9 @@ def test_quest_and_omnikv_scores_triton_vs_reference(dtype):
                                omnikv_scores_reference(query, k_pool, pages, limit), atol=1e-2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("radix_bits", [1, 8])
 @pytest.mark.parametrize("n,k", [(512, 31), (8192, 2048), (40000, 512)])
-def test_topk_select_triton_vs_reference(n, k):
+def test_topk_select_triton_vs_reference(n, k, radix_bits):
     from sparsecompile.kernels.topk_select import topk_select_reference, topk_select_triton
 
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -42,7 +43,8 @@ def test_topk_select_triton_vs_reference(n, k):
     scores[2, 1, 7] = float("inf")
     counts = torch.randint(0, k + 1, (3, 4), device="cuda", generator=g)
     counts[0, 0] = k
-    assert torch.equal(topk_select_triton(scores, counts, k), topk_select_reference(scores, counts, k))
+    assert torch.equal(topk_select_triton(scores, counts, k, radix_bits=radix_bits),
+                       topk_select_reference(scores, counts, k))
 
 
 @pytest.mark.parametrize("method,options", [("quest", dict(budget=64, dense_layers=1)),
