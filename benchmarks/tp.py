@@ -41,6 +41,7 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"  # before NCCL initialises: NVLink multicas
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -440,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if bench.rank == 0:
         table(bench)
     if bench.world > 1 and distributed.current() is not None:
+        # The 2026-12-01 TP 2 run printed its table, then did not exit until the call's timeout: if leaving the
+        # group or the interpreter's exit (atexit handlers run first) hangs again, print every thread's stack
+        # after 90 s and exit instead of holding the GPUs.
+        faulthandler.dump_traceback_later(90, exit=True)
         distributed.shutdown()
     return 0
 
