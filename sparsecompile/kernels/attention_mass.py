@@ -94,17 +94,27 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
     slots, valid = next(blocks)
     mass = torch.zeros(batch, kv_heads, q_heads // kv_heads, slots.shape[-1], dtype=torch.float32,
                        device=query.device)
-    for start, stop, logits, mask in blocks:
+    for start, stop, logits, _ in blocks:  # logits: this block's own tensor, -inf where not visible
         if lse is None:
-            norm = torch.logsumexp(logits, -1)
+            probs = _softmax_(logits)
         else:
             norm = lse[:, :, start:stop].float().reshape(logits.shape[:-1])
-        # where(), not a product: a row that sees nothing has norm -inf and exp(-inf - -inf) = nan
-        if reduce == SUM:
-            mass = mass + torch.where(mask, torch.exp(logits - norm[..., None]), 0.0).sum(3)
-        else:  # exp is monotonic: the max over queries of the log-probabilities, then one exp per slot
-            mass = torch.maximum(mass, torch.where(mask, logits - norm[..., None], -torch.inf).amax(3).exp())
+            probs = logits.sub_(_finite(norm)[..., None]).exp_()
+        mass = mass + probs.sum(3) if reduce == SUM else torch.maximum(mass, probs.amax(3))
     return mass.reshape(batch, q_heads, -1), slots, valid
+
+
+def _finite(norm: torch.Tensor) -> torch.Tensor:
+    """A row that sees nothing has all logits and its normaliser at -inf: subtracting 0 instead keeps its
+    probabilities at exp(-inf) = 0 (-inf - -inf would be nan)."""
+    return norm.masked_fill(torch.isneginf(norm), 0.0)
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, in place (the CPU reference's largest cost was computing the log-sum-exp, then
+    the probabilities from it, in separate passes with temporaries); rows that see nothing give zeros."""
+    probs = logits.sub_(_finite(logits.amax(-1, keepdim=True))).exp_()
+    return probs.div_(probs.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
 
 
 if triton is not None:
