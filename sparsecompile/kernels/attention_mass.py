@@ -40,8 +40,10 @@ TO_POOL, TO_HEAD, TO_KV_HEAD = 0, 1, 2
 
 
 def _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
-    """Yield ``(start, stop, logits, mask)`` per block of queries, ``logits [batch, kv_heads, group, t, slots]`` fp32
-    (``-inf`` where invisible); the first item is ``(slots, valid)`` of the used view."""
+    """Yield ``(start, stop, logits, mask)`` per block of queries, ``logits [batch, kv_heads, group, t, span]`` fp32
+    (``-inf`` where invisible) over the view's first ``span`` slots, those up to the last one any query of the
+    block sees (a causal prefill's early queries see only the first keys: about half the work); the first item
+    is ``(slots, valid)`` of the used view."""
     batch, q_heads, queries, head_dim = query.shape
     kv_heads = k_pool.shape[1]
     slots, valid = used_view_slots(index, lengths, block_size)
@@ -53,7 +55,10 @@ def _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_si
     for start in range(0, queries, step):
         stop = min(queries, start + step)
         mask = visibility(kpos, valid, q_positions[:, start:stop], sliding_window)[:, :, None]
-        logits = (q[:, :, :, start:stop] @ keys_t).mul_(scale).masked_fill_(~mask, float("-inf"))
+        seen = mask.flatten(0, -2).any(0).nonzero()
+        span = int(seen[-1]) + 1 if len(seen) else 0
+        mask = mask[..., :span]
+        logits = (q[:, :, :, start:stop] @ keys_t[..., :span]).mul_(scale).masked_fill_(~mask, float("-inf"))
         yield start, stop, logits, mask
 
 
@@ -67,7 +72,7 @@ def attention_lse_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool:
     next(blocks)
     lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device)
     for start, stop, logits, _ in blocks:
-        lse[:, :, start:stop] = torch.logsumexp(logits, -1).reshape(batch, q_heads, stop - start)
+        lse[:, :, start:stop] = torch.logsumexp(logits, -1).reshape(batch, q_heads, stop - start)  # -inf if empty
     return lse
 
 
@@ -95,12 +100,18 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
     mass = torch.zeros(batch, kv_heads, q_heads // kv_heads, slots.shape[-1], dtype=torch.float32,
                        device=query.device)
     for start, stop, logits, _ in blocks:  # logits: this block's own tensor, -inf where not visible
+        span = logits.shape[-1]
+        if span == 0:  # no query of the block sees a slot
+            continue
         if lse is None:
             probs = _softmax_(logits)
         else:
             norm = lse[:, :, start:stop].float().reshape(logits.shape[:-1])
             probs = logits.sub_(_finite(norm)[..., None]).exp_()
-        mass = mass + probs.sum(3) if reduce == SUM else torch.maximum(mass, probs.amax(3))
+        if reduce == SUM:
+            mass[..., :span] += probs.sum(3)
+        else:
+            mass[..., :span] = torch.maximum(mass[..., :span], probs.amax(3))
     return mass.reshape(batch, q_heads, -1), slots, valid
 
 
