@@ -160,9 +160,13 @@ def compare(tokens: torch.Tensor, logits: torch.Tensor, want_tokens: torch.Tenso
     return row
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def reference_key(method: str, dtype: torch.dtype) -> str:
     """The entry of ``tp_reference.pt``: the method's name for bf16 (files of earlier runs), ``name@dtype`` else."""
-    return method if dtype == torch.bfloat16 else f"{method}@{str(dtype).removeprefix('torch.')}"
+    return method if dtype == torch.bfloat16 else f"{method}@{dtype_name(dtype)}"
 
 
 def part_equality(bench: Bench, model) -> None:
@@ -193,7 +197,7 @@ def equality_in(bench: Bench, model, ids: torch.Tensor, dtype: torch.dtype, refe
     compiled = dict(compile=True, cuda_graphs=True) if args.eq_compile else dict(compile=False)
     for method in args.methods:
         key = reference_key(method, dtype)
-        row = {"part": "equality", "method": method, "dtype": str(dtype).removeprefix("torch."), "prompt": args.prompt,
+        row = {"part": "equality", "method": method, "dtype": dtype_name(dtype), "prompt": args.prompt,
                "new_tokens": args.new, **compiled}
         start = time.perf_counter()
         try:

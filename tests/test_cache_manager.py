@@ -121,7 +121,8 @@ def test_flush_sends_each_rows_changes_once_and_the_device_table_matches_the_hos
 
     m._entries_to_send = spy
     c = m.add_sequence()  # a new row: its whole table row goes, so its entries do not
-    m.ensure_slots([a, b, c], np.array([[8] * L, [60] * L, [12] * L]))  # a: one page a layer; b: 14 (> 16/8)
+    # a: 1 new page a layer (2 entries); b: 14 a layer (28 entries: 8 int32 each > the 2 x 16 of its table row)
+    m.ensure_slots([a, b, c], np.array([[8] * L, [60] * L, [12] * L]))
     m.flush()
     assert sorted(set(sent[-1][:, 0].tolist())) == [a] and len(sent[-1]) == L  # b and c went as table rows
     assert torch.equal(m.block_table[[a, b, c]], torch.from_numpy(m._host_table[[a, b, c]]))

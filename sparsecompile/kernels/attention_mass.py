@@ -40,7 +40,7 @@ TO_POOL, TO_HEAD, TO_KV_HEAD = 0, 1, 2
 
 
 def _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
-    """Yield ``(start, stop, logits, mask)`` per block of queries, ``logits [batch, kv_heads, group, t, span]`` fp32
+    """Yield ``(start, stop, logits)`` per block of queries, ``logits [batch, kv_heads, group, t, span]`` fp32
     (``-inf`` where invisible) over the view's first ``span`` slots, those up to the last one any query of the
     block sees (a causal prefill's early queries see only the first keys: about half the work); the first item
     is ``(slots, valid)`` of the used view."""
@@ -57,9 +57,8 @@ def _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_si
         mask = visibility(kpos, valid, q_positions[:, start:stop], sliding_window)[:, :, None]
         seen = mask.flatten(0, -2).any(0).nonzero()
         span = int(seen[-1]) + 1 if len(seen) else 0
-        mask = mask[..., :span]
-        logits = (q[:, :, :, start:stop] @ keys_t[..., :span]).mul_(scale).masked_fill_(~mask, float("-inf"))
-        yield start, stop, logits, mask
+        logits = (q[:, :, :, start:stop] @ keys_t[..., :span]).mul_(scale)
+        yield start, stop, logits.masked_fill_(~mask[..., :span], float("-inf"))
 
 
 def attention_lse_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
@@ -71,7 +70,7 @@ def attention_lse_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool:
     blocks = _logit_blocks(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window)
     next(blocks)
     lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device)
-    for start, stop, logits, _ in blocks:
+    for start, stop, logits in blocks:
         lse[:, :, start:stop] = torch.logsumexp(logits, -1).reshape(batch, q_heads, stop - start)  # -inf if empty
     return lse
 
@@ -99,7 +98,7 @@ def attention_mass_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool
     slots, valid = next(blocks)
     mass = torch.zeros(batch, kv_heads, q_heads // kv_heads, slots.shape[-1], dtype=torch.float32,
                        device=query.device)
-    for start, stop, logits, _ in blocks:  # logits: this block's own tensor, -inf where not visible
+    for start, stop, logits in blocks:  # logits: this block's own tensor, -inf where not visible
         span = logits.shape[-1]
         if span == 0:  # no query of the block sees a slot
             continue
