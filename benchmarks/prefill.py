@@ -13,7 +13,8 @@ are random token ids. Rows (one JSON line each, appended to ``--out/prefill<TAG>
 * ``hf_sdpa``: ``model(ids, logits_to_keep=1)`` of the unpatched model (SDPA attention);
 * ``hf_generate``: the unpatched ``model.generate(ids, max_new_tokens=1)``;
 * ``sparsecompile``: ``sparsecompile.optimize(model, method, prefill_chunk_size=chunk, budget=2048)`` then
-  ``generate(max_new_tokens=1)``, for each ``--chunk-sizes`` (0 = the whole prompt in one forward);
+  ``generate(max_new_tokens=1)``, for each ``--chunk-sizes`` (0 = the whole prompt in one forward, ``default`` = the
+  method's own default, recorded as chunk -1);
 * ``sparsecompile_llm``: ``sparsecompile.LLM`` over the same model, ``batch`` requests, ``max_tokens=1``.
 
 Each point first runs a warm-up prompt of 4,096 tokens (kernels compile there), then one timed run synchronised at its
@@ -63,7 +64,7 @@ if not torch.cuda.is_available():  # CPU smoke runs: Triton kernels must be inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import METHOD_OPTIONS  # noqa: E402
+from decode import row_method  # noqa: E402
 from serving import StubTokenizer, make_model  # noqa: E402
 
 import sparsecompile  # noqa: E402
@@ -71,6 +72,9 @@ from sparsecompile import LLM, SamplingParams  # noqa: E402
 
 SYSTEMS = ("hf_sdpa", "hf_generate", "sparsecompile", "sparsecompile_llm")
 E2E_SYSTEMS = ("hf_eager", "hf_static_compile", "sparsecompile")
+# the issue's methods; any row of decode.METHOD_OPTIONS (e.g. kivi2, snapkv+kivi) may be named with --methods
+METHODS = ("vanilla", "streamingllm", "snapkv", "pyramidkv", "h2o", "quest", "omnikv")
+DEFAULT_CHUNK = -1  # --chunk-sizes default: the method's own prefill_chunk_size (optimize() without the option)
 GiB = 2**30
 # --profile's coarse categories: the first whose substrings occur in a (lower-cased) kernel / op name, else "other"
 PROFILE_CATEGORIES = (
@@ -145,7 +149,12 @@ def _warm_tokens(context: int, chunk: int) -> int:
     too), at most the context. (With 1,024 warm-up tokens, under snapkv's budget, snapkv's 32K point took 3.39 s
     against vanilla's 1.51 s but 12.14 s against 12.08 s at 128K, the point after it: the eviction path's first
     run, a one-time cost, fell inside the timed run; prefill_h200_b.jsonl.)"""
-    return min(context, max(chunk + 64 if chunk else 0, WARM_TOKENS))
+    return min(context, max(chunk + 64 if chunk > 0 else 0, WARM_TOKENS))
+
+
+def _chunk_option(chunk: int) -> dict[str, int]:
+    """optimize() / LLM keyword for a ``--chunk-sizes`` entry (DEFAULT_CHUNK: none, the method's default)."""
+    return {} if chunk == DEFAULT_CHUNK else {"prefill_chunk_size": chunk}
 
 
 def prefill_row(bench: Bench, system: str, method: str, context: int, batch: int, chunk: int) -> dict[str, Any]:
@@ -162,15 +171,15 @@ def prefill_row(bench: Bench, system: str, method: str, context: int, batch: int
             _generate(model, warm, 1)
             run = lambda: _generate(model, ids, 1)  # noqa: E731
         elif system == "sparsecompile":
-            sparsecompile.optimize(model, method, prefill_chunk_size=chunk, **_engine_flags(bench),
-                                   **METHOD_OPTIONS[method])
+            name, options = row_method(method)
+            sparsecompile.optimize(model, name, **_chunk_option(chunk), **_engine_flags(bench), **options)
             _generate(model, warm, 1)
             run = lambda: _generate(model, ids, 1)  # noqa: E731
         else:  # sparsecompile_llm
-            llm = LLM(model, method, tokenizer=StubTokenizer(), max_num_seqs=batch,
-                      max_num_batched_tokens=chunk or context, max_model_len=context + 8,
-                      cuda_graph_sizes=[batch], prefill_chunk_size=chunk, **_engine_flags(bench),
-                      **METHOD_OPTIONS[method])
+            name, options = row_method(method)
+            llm = LLM(model, name, tokenizer=StubTokenizer(), max_num_seqs=batch,
+                      max_num_batched_tokens=chunk if chunk > 0 else context, max_model_len=context + 8,
+                      cuda_graph_sizes=[batch], **_chunk_option(chunk), **_engine_flags(bench), **options)
             params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
             llm.generate([warm[0].tolist()], params, use_tqdm=False)
             prompts = [p.tolist() for p in ids]
@@ -260,7 +269,8 @@ def e2e_row(bench: Bench, system: str, method: str, context: int, new_tokens: in
             _generate(model, warm, 8, **kwargs)
             cache.reset()
         elif system == "sparsecompile":
-            sparsecompile.optimize(model, method, **_engine_flags(bench), **METHOD_OPTIONS[method])
+            name, options = row_method(method)
+            sparsecompile.optimize(model, name, **_engine_flags(bench), **options)
             _generate(model, warm, 8)
         else:
             _generate(model, warm, 8)
@@ -276,6 +286,10 @@ def e2e_row(bench: Bench, system: str, method: str, context: int, new_tokens: in
         kwargs = {}
         bench.free()
     return row
+
+
+def _chunk_label(chunk: int) -> str:
+    return "default chunk" if chunk == DEFAULT_CHUNK else "whole" if chunk == 0 else f"chunk {chunk}"
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -297,7 +311,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         mine = sorted((r for r in rows if (r["batch"], r["context"]) == (batch, context)),
                       key=lambda r: (r["system"], r["method"], r["chunk"]))
         labels = [f"{r['system']} {r['method'] if r['system'].startswith('sparse') else ''} "
-                  f"{'chunk ' + str(r['chunk']) if r['system'].startswith('sparse') else ''}".strip() for r in mine]
+                  f"{_chunk_label(r['chunk']) if r['system'].startswith('sparse') else ''}".strip() for r in mine]
         colors = [f"C{SYSTEMS.index(r['system']) if r['system'] in SYSTEMS else 9}" for r in mine]
         ax.barh(range(len(mine)), [r["tflops"] for r in mine], color=colors)
         for i, r in enumerate(mine):
@@ -313,12 +327,13 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ints = lambda s: [DEFAULT_CHUNK if x == "default" else int(x) for x in s.split(",") if x]  # noqa: E731
     parser.add_argument("--systems", default=None, help=f"comma list of {SYSTEMS} (--e2e: {E2E_SYSTEMS})")
-    parser.add_argument("--methods", default=",".join(METHOD_OPTIONS))
+    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--contexts", type=ints, default=[8192, 32768, 131072])
     parser.add_argument("--batches", type=ints, default=[1, 4])
-    parser.add_argument("--chunk-sizes", type=ints, default=[2048, 8192, 16384, 0], help="0 = whole prompt")
+    parser.add_argument("--chunk-sizes", type=ints, default=[2048, 8192, 16384, 0],
+                        help="0 = whole prompt, default = the method's own")
     parser.add_argument("--e2e", action="store_true", help="long prompt + --new-tokens through generate()")
     parser.add_argument("--e2e-context", type=int, default=131072)
     parser.add_argument("--new-tokens", type=int, default=256)

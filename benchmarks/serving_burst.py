@@ -54,6 +54,7 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
         engine_module.pack_chunks = lambda chunks, _budget: [[c] for c in chunks]
     llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst,
               max_num_batched_tokens=args.budget, compile=args.device == "cuda", cuda_graphs=args.device == "cuda",
+              cuda_graph_sizes=[args.running],  # only the running streams decode (a burst request stops at 1 token)
               **METHOD_OPTIONS[args.method])
     engine = llm.llm_engine
     try:

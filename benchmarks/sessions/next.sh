@@ -3,11 +3,10 @@
 # side by side, one per GPU through CUDA_VISIBLE_DEVICES, as sessions/x2_call1.sh did). Sizes from the 2026-12-01
 # calls: a decode compile of the 8B shape takes 35-55 s on a fresh machine, a multi-turn arm 20-60 s, the GPU tests
 # of test_cuda_engine + test_eviction_cuda 190 s. A call returns at most 8 files: tar $OUT when more.
-#   bash benchmarks/sessions/next.sh prefill    # #13 after the pinning fix: 32K/128K b1, every method vs HF; gaps   ~7 min
-#   bash benchmarks/sessions/next.sh prefill4   # #13 batch 4 (8K, 32K), hf_generate and LLM rows                    ~6 min
-#   bash benchmarks/sessions/next.sh e2e_hf     # #13 128K + 256 tokens: HF eager, HF static cache + compile          ~4 min
-#   bash benchmarks/sessions/next.sh e2e_a      # #13 128K + 256 tokens: vanilla, snapkv, quest, h2o                  ~7 min
-#   bash benchmarks/sessions/next.sh e2e_b      # #13 128K + 256 tokens: pyramidkv, omnikv, streamingllm              ~5 min
+#   bash benchmarks/sessions/next.sh prefill    # #13: gaps after the pinning fix; 32K/128K b1, HF sdpa / generate and the
+#                                               #   7 methods at their default chunks; LLM rows (vanilla, snapkv, quest) ~8 min
+#   bash benchmarks/sessions/next.sh e2e1       # #13 128K + 256 tokens: HF eager, HF static + compile; vanilla, snapkv, quest ~9 min
+#   bash benchmarks/sessions/next.sh e2e2       # #13 128K + 256: h2o, pyramidkv, omnikv, streamingllm; batch 4; burst ~9.5 min
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
@@ -21,26 +20,36 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPARSECOMPILE_CACHE=/tmp/sc-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 P="python3 -m pytest -v -p no:cacheprovider -rf --durations=15 --tb=short"  # -v: a timeout still names what passed
 python3 benchmarks/sessions/compile_cache.py restore .carry/cc
-trap 'python3 benchmarks/sessions/compile_cache.py save "$OUT/cc"' EXIT
+pack() {  # a call returns at most 8 files: the results as one tarball, the compile cache as up to 3 pieces
+  python3 benchmarks/sessions/compile_cache.py save "$OUT/cc"
+  (cd "$OUT" && find . -path ./cc -prune -o -type f ! -name "*.tgz" -print | tar czf "results_$STAGE.tgz" -T - \
+    && find . -path ./cc -prune -o -type f ! -name "*.tgz" -print | xargs -r rm -f)
+}
+STAGE=${1:-none}
+trap pack EXIT
 case "${1:-}" in
 prefill)
   timeout -s INT 60 python3 benchmarks/gpu_gaps.py --method vanilla --context 32768 --hf --out "$OUT" > /dev/null 2>&1
   echo "gaps rc=$?"; grep -v "^  +" "$OUT/gpu_gaps_vanilla_32768.txt"
-  timeout -s INT 420 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --contexts 32768,131072 \
-    --batches 1 --chunk-sizes 0 --out "$OUT" --tag _h200 > "$OUT/prefill.log" 2>&1
-  echo "rc=$?"; grep '"system"' "$OUT/prefill.log" | cut -c1-200 ;;
-prefill4)
-  timeout -s INT 250 python3 benchmarks/prefill.py --systems hf_sdpa,hf_generate,sparsecompile,sparsecompile_llm \
-    --methods vanilla,snapkv,quest --contexts 8192,32768 --batches 1,4 --chunk-sizes 0 --out "$OUT" --tag _h200 \
-    > "$OUT/prefill4.log" 2>&1; echo "rc=$?"; grep '"system"' "$OUT/prefill4.log" | cut -c1-200
-  timeout -s INT 280 python3 benchmarks/prefill.py --systems sparsecompile --methods vanilla,snapkv \
-    --contexts 32768 --batches 1 --chunk-sizes 2048,8192,16384 --out "$OUT" --tag _h200 > "$OUT/prefill_chunks.log" 2>&1
-  echo "chunks rc=$?"; grep '"system"' "$OUT/prefill_chunks.log" | cut -c1-200 ;;
-e2e_hf|e2e_a|e2e_b)
-  case "$1" in e2e_hf) sys=hf_eager,hf_static_compile; m=vanilla ;; e2e_a) sys=sparsecompile; m=vanilla,snapkv,quest,h2o ;;
-    *) sys=sparsecompile; m=pyramidkv,omnikv,streamingllm ;; esac
-  timeout -s INT 560 python3 benchmarks/prefill.py --e2e --systems $sys --methods $m --out "$OUT" --tag _h200_e2e \
-    > "$OUT/$1.log" 2>&1; echo "rc=$?"; grep '"system"' "$OUT/$1.log" | cut -c1-220 ;;
+  timeout -s INT 300 python3 benchmarks/prefill.py --systems hf_sdpa,hf_generate,sparsecompile --contexts 32768,131072 \
+    --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill.log" 2>&1
+  echo "rc=$?"; grep '"system"' "$OUT/prefill.log" | cut -c1-200
+  timeout -s INT 130 python3 benchmarks/prefill.py --systems sparsecompile_llm --methods vanilla,snapkv,quest \
+    --contexts 32768,131072 --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_llm.log" 2>&1
+  echo "llm rc=$?"; grep '"system"' "$OUT/prefill_llm.log" | cut -c1-200 ;;
+e2e1)
+  timeout -s INT 220 python3 benchmarks/prefill.py --e2e --systems hf_eager,hf_static_compile --out "$OUT" \
+    --tag _h200_e2e > "$OUT/e2e_hf.log" 2>&1; echo "hf rc=$?"
+  timeout -s INT 340 python3 benchmarks/prefill.py --e2e --systems sparsecompile --methods vanilla,snapkv,quest \
+    --out "$OUT" --tag _h200_e2e > "$OUT/e2e_1.log" 2>&1; echo "rc=$?"; grep -h '"system"' "$OUT"/e2e_*.log | cut -c1-220 ;;
+e2e2)
+  timeout -s INT 320 python3 benchmarks/prefill.py --e2e --systems sparsecompile --methods h2o,pyramidkv,omnikv,streamingllm \
+    --out "$OUT" --tag _h200_e2e > "$OUT/e2e_2.log" 2>&1; echo "rc=$?"; grep -h '"system"' "$OUT/e2e_2.log" | cut -c1-220
+  timeout -s INT 150 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768,131072 \
+    --batches 4 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_b4.log" 2>&1
+  echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200
+  timeout -s INT 100 python3 benchmarks/serving_burst.py --out "$OUT" --tag _h200 > "$OUT/burst.log" 2>&1
+  echo "burst rc=$?"; tail -4 "$OUT/burst.log" ;;
 ops)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220 ;;
@@ -57,5 +66,5 @@ kivi)
 export)
   timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|prefill4|e2e_hf|e2e_a|e2e_b|ops|verify|profile|export|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e1|e2e2|ops|verify|profile|export|kivi"; exit 2 ;;
 esac
