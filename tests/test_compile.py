@@ -1,4 +1,5 @@
-"""Decode steps compile to one graph, with no graph break and no recompile across prompt lengths."""
+"""Decode steps compile to one graph, with no graph break and no recompile across prompt lengths (a pool that grows
+included: its page dimension is dynamic)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tiny_models import tiny_pair
 from torch._dynamo.utils import counters
 
 import sparsecompile
+from sparsecompile.models.hf_patch import patched_model
 from sparsecompile.passes import CaptureError, capture_backend
 
 
@@ -21,10 +23,14 @@ def test_compiled_decode_one_graph_no_recompile():
     counters.clear()
     reference, model = tiny_pair("llama", seed=6)
     sparsecompile.optimize(model, "vanilla", page_size=4, compile=True)
-    for length in (7, 12, 19):
+    controller = patched_model(model).controller
+    pages = []
+    for length in (7, 12, 19, 160, 330):  # the last two grow the pool and widen the block table
         ids = torch.randint(3, 96, (2, length))
         want = reference.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
         assert torch.equal(model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), want)
+        pages.append((controller.manager.num_pages, controller.manager.max_pages_per_seq))
+    assert pages[2] < pages[3] < pages[4], pages
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
     assert not counters["recompiles"]

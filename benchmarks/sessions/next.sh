@@ -7,6 +7,8 @@
 #                                               #   7 methods at their default chunks; LLM rows (vanilla, snapkv, quest) ~8 min
 #   bash benchmarks/sessions/next.sh e2e1       # #13 128K + 256 tokens: HF eager, HF static + compile; vanilla, snapkv, quest ~9 min
 #   bash benchmarks/sessions/next.sh e2e2       # #13 128K + 256: h2o, pyramidkv, omnikv, streamingllm; batch 4; burst ~9.5 min
+#   bash benchmarks/sessions/next.sh e2e3       # #13 after the dynamic page dim: growth tests; e2e HF + vanilla, snapkv, quest, h2o ~8 min
+#   bash benchmarks/sessions/next.sh e2e4       # #13 e2e pyramidkv, omnikv, streamingllm (+ HF eager); burst; batch 4    ~8 min
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
@@ -38,6 +40,9 @@ prefill)
     --contexts 32768,131072 --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_llm.log" 2>&1
   echo "llm rc=$?"; grep '"system"' "$OUT/prefill_llm.log" | cut -c1-200 ;;
 e2e1)
+  timeout -s INT 60 python3 benchmarks/prefill.py --systems sparsecompile --methods snapkv,snapkv,h2o,h2o --contexts 32768 \
+    --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_c2 > "$OUT/prefill_twice.log" 2>&1
+  echo "twice rc=$?"; grep '"system"' "$OUT/prefill_twice.log" | cut -c1-200
   timeout -s INT 220 python3 benchmarks/prefill.py --e2e --systems hf_eager,hf_static_compile --out "$OUT" \
     --tag _h200_e2e > "$OUT/e2e_hf.log" 2>&1; echo "hf rc=$?"
   timeout -s INT 340 python3 benchmarks/prefill.py --e2e --systems sparsecompile --methods vanilla,snapkv,quest \
@@ -50,6 +55,21 @@ e2e2)
   echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200
   timeout -s INT 100 python3 benchmarks/serving_burst.py --out "$OUT" --tag _h200 > "$OUT/burst.log" 2>&1
   echo "burst rc=$?"; tail -4 "$OUT/burst.log" ;;
+e2e3)  # after the dynamic page dimension: pool growth no longer recompiles the decode step
+  timeout -s INT 150 $P tests/gpu/test_cuda_engine.py tests/gpu/test_eviction_cuda.py -k "growth or cuda_graph" \
+    > "$OUT/gpu_tests_growth.log" 2>&1; echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_growth.log" | tail -8
+  timeout -s INT 400 python3 benchmarks/prefill.py --e2e --systems hf_eager,hf_static_compile,sparsecompile \
+    --methods vanilla,snapkv,quest,h2o --out "$OUT" --tag _h200_e2e_b > "$OUT/e2e_3.log" 2>&1
+  echo "rc=$?"; grep -h '"system"' "$OUT/e2e_3.log" | cut -c1-220; grep "compiled" "$OUT/e2e_3.log" ;;
+e2e4)
+  timeout -s INT 250 python3 benchmarks/prefill.py --e2e --systems hf_eager,sparsecompile \
+    --methods pyramidkv,omnikv,streamingllm --out "$OUT" --tag _h200_e2e_b > "$OUT/e2e_4.log" 2>&1
+  echo "rc=$?"; grep -h '"system"' "$OUT/e2e_4.log" | cut -c1-220; grep "compiled" "$OUT/e2e_4.log"
+  timeout -s INT 100 python3 benchmarks/serving_burst.py --out "$OUT" --tag _h200 > "$OUT/burst.log" 2>&1
+  echo "burst rc=$?"; tail -4 "$OUT/burst.log"
+  [ -n "${B4:-}" ] && timeout -s INT 100 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768,131072 \
+    --batches 4 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_b4.log" 2>&1
+  echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200 ;;
 ops)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220 ;;
@@ -66,5 +86,5 @@ kivi)
 export)
   timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|e2e1|e2e2|ops|verify|profile|export|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e1|e2e2|e2e3|e2e4|ops|verify|profile|export|kivi"; exit 2 ;;
 esac

@@ -340,7 +340,7 @@ class EvictionRuntime(SparseMethod):
 
     def decode_width(self, manager: CacheManager) -> int:
         """Static slot width the decode eviction looks at (>= every row's count while decoding)."""
-        full = manager.max_pages_per_seq * manager.layout.page_size
+        full = manager.slot_capacity
         if self.config.budget is None:
             return full
         page = manager.layout.page_size

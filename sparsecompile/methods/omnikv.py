@@ -144,7 +144,7 @@ class OmniKVRuntime(SparseMethod):
         self._ensure_buffers(manager)
 
     def _capacity(self, manager: CacheManager) -> int:
-        return manager.max_pages_per_seq * manager.layout.page_size
+        return manager.slot_capacity
 
     def _ensure_buffers(self, manager: CacheManager) -> None:
         rows, device = manager.max_seqs, manager.layout.device

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .allocator import BlockAllocator, OutOfPages
+from .compilation import page_indexed
 from .host import to_device
 from .kivi import KiviStorage
 from .layout import KVLayout
@@ -81,6 +82,15 @@ class CacheManager(SharedPages, SlotAccess):
         return self.allocator.num_pages
 
     @property
+    def trash_page(self) -> int:
+        """The pool's extra last page, never allocated, that absorbs masked scatters (static shapes, no races).
+
+        Read from the pool's shape, not kept as an int: under compile an int attribute is a guarded constant (each
+        pool growth would recompile the decode step), a shape is the pages' dynamic size (``page_indexed``), and an
+        exported program traced with a symbolic page count keeps it symbolic."""
+        return self.pos_pool.shape[0] - 1
+
+    @property
     def bytes_per_page(self) -> int:
         """Device bytes one page costs: K, V, positions and every registered slot / page metadata tensor."""
         return sum(t[0].numel() * t.element_size() for t in self._page_tensors())
@@ -105,11 +115,16 @@ class CacheManager(SharedPages, SlotAccess):
     def max_pages_per_seq(self) -> int:
         return self._table_width
 
+    @property
+    def slot_capacity(self) -> int:
+        """Row-local slots a (row, layer) can hold: the block table's width in slots. For device code: read from the
+        device table's shape, a dynamic size under compile (the table widens with the longest sequence without
+        recompiling decode steps; ``max_pages_per_seq``, an int attribute, would be a guarded constant)."""
+        return self.block_table.shape[2] * self.layout.page_size
+
     def _allocate_device(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
         L, H, P, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
         dev, dtype = self.layout.device, self.layout.dtype
-        # One extra "trash" page, never allocated, absorbs masked scatters (static shapes, no races).
-        self.trash_page = num_pages
         if self.storage is None:
             self.k_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
             self.v_pool = torch.zeros(num_pages + 1, H, P, D, dtype=dtype, device=dev)
@@ -119,9 +134,12 @@ class CacheManager(SharedPages, SlotAccess):
         self.pos_pool = torch.full((num_pages + 1, H, P), -1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(max_seqs, L, max_pages_per_seq, dtype=torch.int32, device=dev)
         self.lengths = torch.zeros(max_seqs, L, dtype=torch.int32, device=dev)
-        for t in (self.k_pool, self.v_pool, self.pos_pool, self.block_table, self.lengths):
+        for t in (self.k_pool, self.v_pool, self.pos_pool):
             if t is not None:
-                torch._dynamo.mark_static_address(t)
+                page_indexed(t)
+        for t in (self.block_table, self.lengths):
+            torch._dynamo.mark_static_address(t)
+        torch._dynamo.maybe_mark_dynamic(self.block_table, 2)  # the table widens with the longest sequence
 
     def grow(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
         """Enlarge the pool, the row count and the block-table width, keeping every live sequence.
@@ -168,8 +186,7 @@ class CacheManager(SharedPages, SlotAccess):
     def register_slot_metadata(self, name: str, dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """A pool-shaped ``[num_pages, kv_heads, page_size]`` tensor that moves with its token."""
         if name not in self.slot_metadata:
-            t = torch.full(self.pos_pool.shape, fill, dtype=dtype, device=self.layout.device)
-            torch._dynamo.mark_static_address(t)
+            t = page_indexed(torch.full(self.pos_pool.shape, fill, dtype=dtype, device=self.layout.device))
             self.slot_metadata[name] = t
             self._slot_fill[name] = fill
         return self.slot_metadata[name]
@@ -177,9 +194,8 @@ class CacheManager(SharedPages, SlotAccess):
     def register_page_metadata(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A ``[num_pages, kv_heads, *shape]`` tensor indexed by page (e.g. per-page key min/max)."""
         if name not in self.page_metadata:
-            t = torch.zeros(self.num_pages + 1, self.layout.num_kv_heads, *shape, dtype=dtype,
-                            device=self.layout.device)
-            torch._dynamo.mark_static_address(t)
+            t = page_indexed(torch.zeros(self.num_pages + 1, self.layout.num_kv_heads, *shape, dtype=dtype,
+                                         device=self.layout.device))
             self.page_metadata[name] = t
         return self.page_metadata[name]
 

@@ -102,6 +102,19 @@ def _private_code(fn: Callable) -> Callable:
     return types.MethodType(copy, bound) if bound is not None else copy
 
 
+def page_indexed(t: torch.Tensor) -> torch.Tensor:
+    """Mark a tensor indexed by page (dim 0 = the pool's page count) for compiled decode steps and returns it.
+
+    A static address: the step mutates it in place and CUDA graphs keep its address. And dim 0 dynamic: a pool that
+    grows (a longer prompt than any before, in ``capacity_bucket`` steps of at most 3 %) gets new tensors of a new
+    size, and with that size specialized each growth recompiled the decode step (26-46 s on the 8B shape on the
+    H200, inside the timed 128K + 256-token ``generate()`` of ``benchmarks/prefill.py --e2e`` after a 4K warm-up).
+    ``maybe_``: a graph that does need a concrete size specializes instead of failing to compile."""
+    torch._dynamo.mark_static_address(t)
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
+
+
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:
     """Compile a whole-model forward with dynamic shapes (the SDPA-rewrite fallback)."""
     return torch.compile(fn, backend=backend, dynamic=True)

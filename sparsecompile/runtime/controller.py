@@ -45,7 +45,7 @@ class SparseController(RowOperations):
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
-        self._compiled_shapes: set[tuple[int, int, int]] = set()  # (batch, pool pages, table width) compiled so far
+        self._compiled_shapes: set[tuple[int, int]] = set()  # (batch, max_seqs) compiled so far (pages: dynamic dims)
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
@@ -314,7 +314,7 @@ class SparseController(RowOperations):
         self._begin(step)
         if self._compiled_decode is None:
             logits = self._decode_eager(inner, step, input_ids, step.positions)
-        elif (key := (len(rows), self.manager.num_pages, self.manager.max_pages_per_seq)) not in self._compiled_shapes:
+        elif (key := (len(rows), self.manager.max_seqs)) not in self._compiled_shapes:  # pages: dynamic
             with compile_notice(f"the decode step for batch {len(rows)}"):
                 logits = self._compiled_decode(inner, step, input_ids, step.positions)
             self._compiled_shapes.add(key)

@@ -42,6 +42,7 @@ import torch
 
 from ..kernels.kivi_attention import kivi_decode_attention
 from ..kernels.kivi_quant import kivi_dequantize, kivi_quantize
+from .compilation import page_indexed
 from .host import to_device
 from .view import AttentionView
 
@@ -127,9 +128,7 @@ class KiviStorage:
         dev, words = lay.device, D * s.bits // 32
 
         def make(*shape, dtype):
-            t = torch.zeros(*shape, dtype=dtype, device=dev)
-            torch._dynamo.mark_static_address(t)
-            return t
+            return page_indexed(torch.zeros(*shape, dtype=dtype, device=dev))
 
         self.kcode = make(num_pages + 1, H, P, words, dtype=torch.int32)
         self.vcode = make(num_pages + 1, H, P, words, dtype=torch.int32)
@@ -138,8 +137,10 @@ class KiviStorage:
         self.vscale = make(num_pages + 1, H, P, D // G, dtype=s.scale_dtype)
         self.vzero = make(num_pages + 1, H, P, D // G, dtype=s.scale_dtype)
         rows = max_seqs * lay.num_layers + 1  # + one trash row that absorbs padding writes
-        self.ring_k = make(rows, H, s.ring, D, dtype=lay.dtype)
-        self.ring_v = make(rows, H, s.ring, D, dtype=lay.dtype)
+        self.ring_k = torch.zeros(rows, H, s.ring, D, dtype=lay.dtype, device=dev)
+        self.ring_v = torch.zeros(rows, H, s.ring, D, dtype=lay.dtype, device=dev)
+        for ring in (self.ring_k, self.ring_v):  # indexed by row, not page: their size changes with max_seqs only
+            torch._dynamo.mark_static_address(ring)
 
     def page_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.kcode, self.vcode, self.kscale, self.kzero, self.vscale, self.vzero)

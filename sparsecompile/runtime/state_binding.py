@@ -92,20 +92,17 @@ def state_tensors(slots: Sequence[StateSlot]) -> list[torch.Tensor]:
 def bound(controller: SparseController, slots: Sequence[StateSlot], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """Point every slot at the matching tensor of ``tensors`` while the block runs (restored afterwards).
 
-    The manager's trash page (the pool's last page, which absorbs masked writes) follows the bound pool, so a
-    program traced with a symbolic page count keeps it symbolic instead of baking the example pool's size.
+    The manager's trash page (the pool's last page, which absorbs masked writes) is read from the bound pool's
+    shape (``CacheManager.trash_page``), so a program traced with a symbolic page count keeps it symbolic instead of
+    baking the example pool's size.
     """
     if len(slots) != len(tensors):
         raise ValueError(f"{len(slots)} state slots but {len(tensors)} tensors")
-    m = controller.manager
     saved = [slot.get() for slot in slots]
-    saved_trash = m.trash_page
     try:
         for slot, tensor in zip(slots, tensors):
             slot.set(tensor)
-        m.trash_page = m.k_pool.shape[0] - 1
         yield
     finally:
         for slot, tensor in zip(slots, saved):
             slot.set(tensor)
-        m.trash_page = saved_trash

@@ -96,3 +96,38 @@ def test_generate_with_cuda_graph_decode(dtype):
     assert sum(counters["graph_break"].values()) == 0
     # q/k/v and gate/up ran as one GEMM each (as_strided views of the shared buffers, under CUDA graphs)
     assert patched_model(model).controller.decode_backend.fused_groups == 2 * 3
+
+
+@pytest.mark.parametrize("method,options", [("vanilla", {}), ("h2o", {"budget": 32}), ("quest", {"budget": 32,
+                                                                                              "dense_layers": 1})])
+def test_pool_growth_keeps_one_decode_graph(method, options):
+    """A longer prompt than any before grows the pool and widens the block table: the compiled decode step is not
+    recompiled (the page dimension is dynamic) and its CUDA-graph replays stay equal to eager decoding (fp32)."""
+    import copy
+
+    from tiny_models import left_padded_batch, tiny_config
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    import sparsecompile
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    prompts = [left_padded_batch(lengths, seed=i) for i, lengths in enumerate([(40, 23), (300, 170), (460, 90)])]
+    outputs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = copy.deepcopy(base).to("cuda", torch.float32)
+        sparsecompile.optimize(model, method, page_size=16, compile=compiled, cuda_graphs=compiled, **options)
+        pages = []
+        for ids, mask in prompts:
+            outputs.append(model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12,
+                                          do_sample=False))
+            pages.append(patched_model(model).controller.manager.num_pages)
+        assert pages[0] < pages[1] < pages[2], pages  # the pool grew twice
+    eager, graphs = outputs[:3], outputs[3:]
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphs))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert counters["inductor"]["cudagraph_skips"] == 0
