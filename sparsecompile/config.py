@@ -77,7 +77,8 @@ class EngineConfig:
 
     page_size: int = option(16, "tokens per KV page (a power of two)")
     prefill_chunk_size: int | None = option(None, "prompt tokens per prefill forward; 0 = whole prompt; default: "
-                                                  "the method's (whole prompt; H2O 8192), at most 8192 when serving")
+                                                  "the method's (whole prompt; H2O 8192), when serving at most "
+                                                  "max_num_batched_tokens (default 8192)")
     compile: bool | str = option("auto", "compile decode steps with torch.compile (auto: on CUDA only)")
     cuda_graphs: bool | str = option("auto", "replay compiled decode steps as CUDA graphs (auto: when compiling "
                                              "on CUDA)")

@@ -224,3 +224,14 @@ def test_a_burst_of_prompts_is_prefilled_in_few_forwards(monkeypatch):
     monkeypatch.setattr(controller, "prefill", lambda *a, **k: calls.append(len(a[1])) or original(*a, **k))
     llm.generate(prompts_of((12, 14, 13, 15, 11, 12, 16, 10)), GREEDY, use_tqdm=False)
     assert calls[0] == 8 and len(calls) == 1  # all eight prompts in the first step's single prefill forward
+
+
+@pytest.mark.parametrize("method,budget,chunk", [("vanilla", None, 8192), ("vanilla", 20000, 20000),
+                                                 ("vanilla", 100, 100), ("h2o", 20000, 8192)])
+def test_serving_chunks_fill_the_step_budget(method, budget, chunk):
+    """Without ``prefill_chunk_size``, a prompt chunk is capped by the step's token budget (8192 by default), not by
+    a fixed 8192: a larger ``max_num_batched_tokens`` runs a long prompt in larger chunks; a method's own chunk (H2O's
+    8192) still holds."""
+    _, llm = tiny_llm(method, max_num_batched_tokens=budget, prefill_chunk_size=None,
+                      **({"budget": 32} if method == "h2o" else {}))
+    assert llm.llm_engine.scheduler.prefill_chunk_size == chunk

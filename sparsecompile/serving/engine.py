@@ -46,7 +46,7 @@ from .reuse import KVReuse, ReuseStats, fingerprint
 from .sampling import TokenHistory, make_generator, sample
 from .scheduler import PrefillChunk, Request, Scheduler, pack_chunks
 
-SERVING_PREFILL_CHUNK = 8192  # prompt tokens per step when prefill_chunk_size is not set (vLLM's default budget)
+SERVING_PREFILL_CHUNK = 8192  # tokens per step when neither max_num_batched_tokens nor prefill_chunk_size is set
 
 
 @dataclass
@@ -78,8 +78,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         max_num_seqs = config.max_num_seqs
         chunk = c.prefill_chunk
-        if c.config.prefill_chunk_size is None:  # serving default: chunks short enough to keep running streams moving
-            chunk = min(chunk or SERVING_PREFILL_CHUNK, SERVING_PREFILL_CHUNK)
+        if c.config.prefill_chunk_size is None:  # serving default: a chunk fills at most the step's token budget
+            # (8192 unless max_num_batched_tokens says otherwise, as in vLLM), short enough to keep streams moving; a
+            # larger budget asks for larger steps (a lone 128K prompt then runs whole, as generate() runs it: chunks
+            # of 8192 cost 1.45x the whole prompt's time at 128K on the H200)
+            cap = config.max_num_batched_tokens or SERVING_PREFILL_CHUNK
+            chunk = min(chunk or cap, cap)
         chunk = chunk or self.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(chunk, max_num_seqs)
         self.device = c.layout.device
