@@ -17,10 +17,11 @@ are random token ids. Rows (one JSON line each, appended to ``--out/prefill<TAG>
   method's own default, recorded as chunk -1);
 * ``sparsecompile_llm``: ``sparsecompile.LLM`` over the same model, ``batch`` requests, ``max_tokens=1``.
 
-Each point first runs a warm-up prompt of 4,096 tokens (kernels compile there), then one timed run synchronised at its
-edges. Fields: system, method, context, batch, chunk, seconds, tflops = (2 * non-embedding params * tokens +
-2 * context^2 * layers * hidden * batch) / seconds with tokens = context * batch (non-embedding: without the input
-embedding and the LM head, which runs on one position), peak_GiB (max allocated during the timed run), error
+Each point first runs a warm-up prompt of 4,096 tokens (kernels compile there), then ``--repeats`` timed runs (default
+1) synchronised at their edges; ``seconds`` is the fastest. Fields: system, method, context, batch, chunk, seconds,
+tflops = (2 * non-embedding params * tokens + 2 * context^2 * layers * hidden * batch) / seconds with tokens =
+context * batch (non-embedding: without the input embedding and the LM head, which runs on one position), peak_GiB
+(max allocated during the timed runs), runs (every run's seconds, with --repeats > 1), error
 (e.g. out of memory: recorded, the run goes on). Between methods the same model is ``restore()``d, not rebuilt.
 
 ``--profile``: after its timed run each point runs the same call once more under ``torch.profiler`` (CPU, plus CUDA
@@ -184,8 +185,12 @@ def prefill_row(bench: Bench, system: str, method: str, context: int, batch: int
             llm.generate([warm[0].tolist()], params, use_tqdm=False)
             prompts = [p.tolist() for p in ids]
             run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
-        seconds, peak = bench.timed(run)
+        timings = [bench.timed(run) for _ in range(bench.args.repeats)]
+        seconds = min(t for t, _ in timings)
+        peak = None if timings[0][1] is None else max(p for _, p in timings)
         row.update(seconds=seconds, tflops=bench.tflops(context, batch, seconds), peak_GiB=peak)
+        if len(timings) > 1:
+            row["runs"] = [round(t, 4) for t, _ in timings]
         if bench.args.profile:
             name = f"profile_prefill_{system}_{method}_{context}_b{batch}_c{chunk}{bench.args.tag}.txt"
             profile_call(bench, run, f"prefill {system} {method} context {context} batch {batch} chunk {chunk}",
@@ -340,6 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", action="store_true", help="draw prefill<TAG>.png from the JSONL and exit")
     parser.add_argument("--profile", action="store_true",
                         help="per point, one more call under torch.profiler -> --out/profile_prefill_*<TAG>.txt")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per point: seconds = the fastest, every run's time in 'runs' (two identical "
+                             "HF runs of one invocation differed by 4 %% at 32K on the H200)")
     parser.add_argument("--fresh", action="store_true", help="truncate the JSONL instead of appending to it")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--tiny", action="store_true", help="tiny hidden sizes (CPU smoke runs)")

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # The next H200 session, one stage per call (each under the 10-minute call limit; on the two-GPU kind two stages
 # side by side, one per GPU through CUDA_VISIBLE_DEVICES, as sessions/x2_call1.sh did). Sizes from the 2026-12-01
-# calls: a decode compile of the 8B shape takes 35-55 s on a fresh machine, a multi-turn arm 20-60 s, the GPU tests
-# of test_cuda_engine + test_eviction_cuda 190 s. A call returns at most 8 files: tar $OUT when more.
-#   bash benchmarks/sessions/next.sh prefill    # #13: gaps after the pinning fix; 32K/128K b1, HF sdpa / generate and the
-#                                               #   7 methods at their default chunks; LLM rows (vanilla, snapkv, quest) ~8 min
-#   bash benchmarks/sessions/next.sh e2e1       # #13 128K + 256 tokens: HF eager, HF static + compile; vanilla, snapkv, quest ~9 min
-#   bash benchmarks/sessions/next.sh e2e2       # #13 128K + 256: h2o, pyramidkv, omnikv, streamingllm; batch 4; burst ~9.5 min
-#   bash benchmarks/sessions/next.sh e2e3       # #13 after the dynamic page dim: growth tests; e2e HF + vanilla, snapkv, quest, h2o ~8 min
-#   bash benchmarks/sessions/next.sh e2e4       # #13 e2e pyramidkv, omnikv, streamingllm (+ HF eager); burst; batch 4    ~8 min
+# calls: a decode compile of the 8B shape takes 35-100 s on a fresh machine (h2o the longest), a multi-turn arm 20-60 s, the GPU tests
+# of test_cuda_engine + test_eviction_cuda 190 s. A call returns at most 8 files: pack() tars the results.
+#   bash benchmarks/sessions/next.sh prefill    # #13: gaps; 32K/128K b1, HF sdpa / generate and the 7 methods at their
+#                                               #   default chunks; LLM rows (vanilla, snapkv, quest) (ran 2026-12-01) ~4.5 min
+#   bash benchmarks/sessions/next.sh e2e_a      # #13 growth tests; e2e HF + vanilla, snapkv, quest, h2o (ran 2026-12-01)    ~8.5 min
+#   bash benchmarks/sessions/next.sh e2e_b      # #13 e2e pyramidkv, omnikv, streamingllm (+ HF eager); burst (ran 2026-12-01) ~5 min
+#   bash benchmarks/sessions/next.sh llm        # #13 LLM rows after the chunk fix (4 methods, 32K / 128K); batch 4 rows  ~8 min
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
@@ -39,29 +38,13 @@ prefill)
   timeout -s INT 130 python3 benchmarks/prefill.py --systems sparsecompile_llm --methods vanilla,snapkv,quest \
     --contexts 32768,131072 --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_llm.log" 2>&1
   echo "llm rc=$?"; grep '"system"' "$OUT/prefill_llm.log" | cut -c1-200 ;;
-e2e1)
-  timeout -s INT 60 python3 benchmarks/prefill.py --systems sparsecompile --methods snapkv,snapkv,h2o,h2o --contexts 32768 \
-    --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_c2 > "$OUT/prefill_twice.log" 2>&1
-  echo "twice rc=$?"; grep '"system"' "$OUT/prefill_twice.log" | cut -c1-200
-  timeout -s INT 220 python3 benchmarks/prefill.py --e2e --systems hf_eager,hf_static_compile --out "$OUT" \
-    --tag _h200_e2e > "$OUT/e2e_hf.log" 2>&1; echo "hf rc=$?"
-  timeout -s INT 340 python3 benchmarks/prefill.py --e2e --systems sparsecompile --methods vanilla,snapkv,quest \
-    --out "$OUT" --tag _h200_e2e > "$OUT/e2e_1.log" 2>&1; echo "rc=$?"; grep -h '"system"' "$OUT"/e2e_*.log | cut -c1-220 ;;
-e2e2)
-  timeout -s INT 320 python3 benchmarks/prefill.py --e2e --systems sparsecompile --methods h2o,pyramidkv,omnikv,streamingllm \
-    --out "$OUT" --tag _h200_e2e > "$OUT/e2e_2.log" 2>&1; echo "rc=$?"; grep -h '"system"' "$OUT/e2e_2.log" | cut -c1-220
-  timeout -s INT 150 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768,131072 \
-    --batches 4 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_b4.log" 2>&1
-  echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200
-  timeout -s INT 100 python3 benchmarks/serving_burst.py --out "$OUT" --tag _h200 > "$OUT/burst.log" 2>&1
-  echo "burst rc=$?"; tail -4 "$OUT/burst.log" ;;
-e2e3)  # after the dynamic page dimension: pool growth no longer recompiles the decode step
+e2e_a)  # after the dynamic page dimension: pool growth no longer recompiles the decode step
   timeout -s INT 150 $P tests/gpu/test_cuda_engine.py tests/gpu/test_eviction_cuda.py -k "growth or cuda_graph" \
     > "$OUT/gpu_tests_growth.log" 2>&1; echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_growth.log" | tail -8
   timeout -s INT 400 python3 benchmarks/prefill.py --e2e --systems hf_eager,hf_static_compile,sparsecompile \
     --methods vanilla,snapkv,quest,h2o --out "$OUT" --tag _h200_e2e_b > "$OUT/e2e_3.log" 2>&1
   echo "rc=$?"; grep -h '"system"' "$OUT/e2e_3.log" | cut -c1-220; grep "compiled" "$OUT/e2e_3.log" ;;
-e2e4)
+e2e_b)
   timeout -s INT 250 python3 benchmarks/prefill.py --e2e --systems hf_eager,sparsecompile \
     --methods pyramidkv,omnikv,streamingllm --out "$OUT" --tag _h200_e2e_b > "$OUT/e2e_4.log" 2>&1
   echo "rc=$?"; grep -h '"system"' "$OUT/e2e_4.log" | cut -c1-220; grep "compiled" "$OUT/e2e_4.log"
@@ -69,6 +52,13 @@ e2e4)
   echo "burst rc=$?"; tail -4 "$OUT/burst.log"
   [ -n "${B4:-}" ] && timeout -s INT 100 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768,131072 \
     --batches 4 --chunk-sizes default --out "$OUT" --tag _h200_c > "$OUT/prefill_b4.log" 2>&1
+  echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200 ;;
+llm)  # #13 leftovers: LLM rows after the chunk-fills-the-budget fix; batch 4 at 32K / 128K
+  timeout -s INT 200 python3 benchmarks/prefill.py --systems sparsecompile_llm --methods vanilla,snapkv,quest,h2o \
+    --contexts 32768,131072 --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_d > "$OUT/prefill_llm.log" 2>&1
+  echo "llm rc=$?"; grep '"system"' "$OUT/prefill_llm.log" | cut -c1-200
+  timeout -s INT 300 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,snapkv,quest \
+    --contexts 32768,131072 --batches 4 --chunk-sizes default --out "$OUT" --tag _h200_d > "$OUT/prefill_b4.log" 2>&1
   echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200 ;;
 ops)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
@@ -86,5 +76,5 @@ kivi)
 export)
   timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|e2e1|e2e2|e2e3|e2e4|ops|verify|profile|export|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|ops|verify|profile|export|kivi"; exit 2 ;;
 esac

@@ -78,7 +78,7 @@ class DecodeProgram(nn.Module):
         # a decode step ends no prompt (an empty list: any() is False, whatever the batch)
         step = StepState(rows, positions, new_offsets, num_new, is_prefill=False, ends_prompt=[],
                          row_ids=_HostFieldsUnavailable(), num_new_host=_HostFieldsUnavailable())
-        with bound(controller, self._state, list(state)):
+        with bound(self._state, list(state)):
             return controller._run(self._patched.inner, step, input_ids=input_ids, inputs_embeds=None,
                                    position_ids=positions, logits_to_keep=1)
 

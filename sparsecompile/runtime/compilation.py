@@ -103,7 +103,7 @@ def _private_code(fn: Callable) -> Callable:
 
 
 def page_indexed(t: torch.Tensor) -> torch.Tensor:
-    """Mark a tensor indexed by page (dim 0 = the pool's page count) for compiled decode steps and returns it.
+    """Marks a tensor indexed by page (dim 0 = the pool's page count) for compiled decode steps; returns it.
 
     A static address: the step mutates it in place and CUDA graphs keep its address. And dim 0 dynamic: a pool that
     grows (a longer prompt than any before, in ``capacity_bucket`` steps of at most 3 %) gets new tensors of a new

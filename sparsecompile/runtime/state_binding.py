@@ -89,7 +89,7 @@ def state_tensors(slots: Sequence[StateSlot]) -> list[torch.Tensor]:
 
 
 @contextmanager
-def bound(controller: SparseController, slots: Sequence[StateSlot], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def bound(slots: Sequence[StateSlot], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """Point every slot at the matching tensor of ``tensors`` while the block runs (restored afterwards).
 
     The manager's trash page (the pool's last page, which absorbs masked writes) is read from the bound pool's
