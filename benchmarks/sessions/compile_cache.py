@@ -6,7 +6,7 @@
 A decode compile of the 8B shape takes 35-50 s on a fresh machine, most of it inductor code generation and Triton
 compiles that the on-disk caches (``<SPARSECOMPILE_CACHE>/compile``: inductor's FX graph / AOTAutograd caches and
 Triton's) turn into hits. ``save`` writes that folder as a gzipped tar in pieces of at most 15 MiB (a call
-returns files of up to 16 MiB, 64 MiB in all), and only when the whole fits ``--max-mib`` (default 45: three
+returns files of up to 16 MiB, 64 MiB in all), and only when the whole fits ``--max-mib`` (default 58: four
 pieces, leaving room for results); ``restore`` unpacks them before the benchmarks run. Between the two, on this
 machine: copy the returned pieces into ``.carry/cc/`` (ignored by git) and name ``.carry`` in the next call's
 ``carry``. The graphs' cache keys include the code, so carry the cache only between calls of one checkout.
@@ -68,7 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("save", "restore"))
     parser.add_argument("dir", type=Path)
-    parser.add_argument("--max-mib", type=float, default=45, help="save only up to this size (3 pieces)")
+    parser.add_argument("--max-mib", type=float, default=58, help="save only up to this size (4 pieces)")
     args = parser.parse_args()
     return save(args.dir, args.max_mib) if args.action == "save" else restore(args.dir)
 
