@@ -50,7 +50,7 @@ def test_bound_points_the_owners_at_other_tensors_and_restores_them():
     slots = decode_state(c)
     originals = [slot.get() for slot in slots]
     others = [t.clone()[:-2] if slot.per_page else t.clone() for slot, t in zip(slots, originals)]
-    with bound(c, slots, others):
+    with bound(slots, others):
         assert c.manager.k_pool is others[0] and c.manager.slot_metadata["h2o_score"] is others[5]
         assert c.manager.trash_page == others[0].shape[0] - 1  # follows the bound pool
     assert all(slot.get() is t for slot, t in zip(slots, originals))
