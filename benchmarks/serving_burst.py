@@ -11,7 +11,9 @@ Two modes in the same invocation, on the same model and engine options:
 
 * ``batched``: today's engine: a step's prompt chunks share one padded forward per group of similar lengths;
 * ``per_chunk``: one forward per prompt chunk, as the engine did before (``serving.engine.pack_chunks`` patched to
-  singleton groups), the "before" row.
+  singleton groups), the "before" row;
+* ``capped``: ``batched`` with ``max_prefill_tokens_while_decoding`` = ``--while-decoding`` (default 512): steps
+  that decode carry at most that many prompt tokens (the burst's prefill then takes longer: ``burst_s``).
 
 Target (issue #13): running streams' p99 during a burst of 64 new 1K-token prompts <= 3x their steady p50.
 Results: ``serving_burst<TAG>.jsonl`` under ``--out``, a table on stdout.
@@ -52,7 +54,8 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
     original = engine_module.pack_chunks
     if mode == "per_chunk":
         engine_module.pack_chunks = lambda chunks, _budget: [[c] for c in chunks]
-    llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst,
+    capped = {"max_prefill_tokens_while_decoding": args.while_decoding} if mode == "capped" else {}
+    llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst, **capped,
               max_num_batched_tokens=args.budget, compile=args.device == "cuda", cuda_graphs=args.device == "cuda",
               cuda_graph_sizes=[args.running],  # only the running streams decode (a burst request stops at 1 token)
               **METHOD_OPTIONS[args.method])
@@ -91,6 +94,7 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
         steady = _gaps(times, steady_start, burst_start)
         burst = _gaps(times, burst_start, burst_stop)
         row = {"mode": mode, "method": args.method, "running": args.running, "burst": args.burst,
+               "max_prefill_tokens_while_decoding": capped.get("max_prefill_tokens_while_decoding"),
                "prompt": args.prompt, "budget": args.budget, "steady_p50_ms": 1e3 * float(np.median(steady)),
                "burst_p50_ms": 1e3 * float(np.median(burst)), "burst_p99_ms": 1e3 * float(np.percentile(burst, 99)),
                "burst_s": burst_stop - burst_start}
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--steady-steps", type=int, default=32)
-    parser.add_argument("--modes", default="per_chunk,batched")
+    parser.add_argument("--modes", default="per_chunk,batched,capped")
+    parser.add_argument("--while-decoding", type=int, default=512, help="the capped mode's prompt tokens per step")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
@@ -124,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_mode(model, args, mode) for mode in args.modes.split(",")]
     with open(os.path.join(args.out, f"serving_burst{args.tag}.jsonl"), "w") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"{'mode':>10} {'steady p50 ms':>14} {'burst p50 ms':>13} {'burst p99 ms':>13} {'p99/p50':>8}")
+    print(f"{'mode':>10} {'steady p50 ms':>14} {'burst p50 ms':>13} {'burst p99 ms':>13} {'p99/p50':>8} "
+          f"{'burst s':>8}")
     for r in rows:
         print(f"{r['mode']:>10} {r['steady_p50_ms']:14.1f} {r['burst_p50_ms']:13.1f} {r['burst_p99_ms']:13.1f} "
-              f"{r['p99_over_steady_p50']:8.2f}")
+              f"{r['p99_over_steady_p50']:8.2f} {r['burst_s']:8.2f}")
     return 0
 
 

@@ -126,6 +126,10 @@ class ServingConfig:
     max_num_seqs: int = option(64, "most requests running at once (the decode batch)")
     max_num_batched_tokens: int | None = option(None, "tokens per engine step, decode tokens plus prompt chunks "
                                                       "(default: the prefill chunk)")
+    max_prefill_tokens_while_decoding: int | None = option(
+        None, "prompt tokens a step carries while requests decode (default: the whole step budget); lower keeps "
+              "running streams' inter-token latency near a decode step's during a burst of new prompts, at the cost "
+              "of those prompts' time to first token (fixed-size chunks, H2O's, still run one per step)")
     kv_cache_memory: float | None = option(None, "KV pool size: bytes, or a fraction of the GPU memory free after "
                                                  "loading (default 0.85 on CUDA, 1 GiB on CPU)")
     gpu_memory_utilization: float | None = option(None, "fraction of the GPU's total memory the process may use "
@@ -154,6 +158,7 @@ class ServingConfig:
                                                  or self.max_idle_chains < 0):
             raise MethodConfigError(f"max_idle_chains must be an integer >= 0, got {_described(self.max_idle_chains)}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _positive_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:

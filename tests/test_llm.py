@@ -235,3 +235,12 @@ def test_serving_chunks_fill_the_step_budget(method, budget, chunk):
     _, llm = tiny_llm(method, max_num_batched_tokens=budget, prefill_chunk_size=None,
                       **({"budget": 32} if method == "h2o" else {}))
     assert llm.llm_engine.scheduler.prefill_chunk_size == chunk
+
+
+def test_a_capped_prompt_budget_beside_decodes_keeps_the_tokens():
+    """``max_prefill_tokens_while_decoding`` only re-chunks prompts that arrive while others decode: same tokens."""
+    reference, llm = tiny_llm(max_prefill_tokens_while_decoding=3)
+    prompts = prompts_of(LENGTHS)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    assert max(o.metrics.num_prefill_chunks for o in outs) > -(-max(LENGTHS) // 16)  # smaller chunks did happen

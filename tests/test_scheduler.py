@@ -89,13 +89,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(kind=st.sampled_from(["dense", "eviction", "interval"]),
           mode=st.sampled_from(["chunked", "aligned", "whole"]),
-          budget=st.integers(4, 40), seqs=st.integers(1, 4))
+          budget=st.integers(4, 40), seqs=st.integers(1, 4), while_decoding=st.none() | st.integers(1, 12))
     @precondition(lambda self: not hasattr(self, "scheduler"))
-    def configure(self, kind: str, mode: str, budget: int, seqs: int) -> None:
+    def configure(self, kind: str, mode: str, budget: int, seqs: int, while_decoding: int | None) -> None:
         self.oracle = make_oracle(kind)
         self.executor = Executor(self.oracle)
         self.scheduler = Scheduler(self.oracle, PAGES, max_num_seqs=seqs, max_num_batched_tokens=max(budget, seqs),
-                                   prefill_chunk_size=8, prefill_mode=mode, max_model_len=MAX_LEN)
+                                   prefill_chunk_size=8, prefill_mode=mode, max_model_len=MAX_LEN,
+                                   max_prefill_tokens_while_decoding=while_decoding)
 
     @rule(prompt=st.integers(1, 70), max_tokens=st.integers(1, 30))
     @precondition(lambda self: hasattr(self, "scheduler"))
@@ -116,6 +117,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self) -> None:
         plan = self.scheduler.schedule()
         assert plan.num_tokens <= self.scheduler.max_num_batched_tokens or len(plan.prefill) == 1
+        cap = self.scheduler.max_prefill_tokens_while_decoding
+        if plan.decode and cap is not None:  # prompt work beside decodes: within the cap (one fixed-size chunk may
+            assert sum(c.stop - c.start for c in plan.prefill) <= cap or len(plan.prefill) == 1  # exceed it)
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
         self.executor.run(self.scheduler, plan, self.stop_now)
 
@@ -195,3 +199,23 @@ def test_decode_pressure_preempts_the_newest_and_recomputes_its_output() -> None
     assert len(b.prefill_ids) > 8 and b.prefill_ids[:8] == b.prompt_ids
     assert a.status is b.status is RequestStatus.FINISHED and len(b.output_ids) == 10
     assert ex.manager.allocator.num_free == 12
+
+
+def test_steps_that_decode_carry_at_most_the_capped_prompt_tokens() -> None:
+    """``max_prefill_tokens_while_decoding``: while a request decodes, a new prompt goes in chunks of the cap; with
+    nothing decoding it takes the whole budget."""
+    s = Scheduler(DenseMemoryOracle(LAYOUT), PAGES, max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk_size=32,
+                  prefill_mode="chunked", max_model_len=MAX_LEN, max_prefill_tokens_while_decoding=5)
+    ex = Executor(s.oracle)
+    s.add(Request("a", [1] * 30, SamplingParams(max_tokens=20), RequestMetrics(0.0)))
+    first = s.schedule()
+    assert [(c.start, c.stop) for c in first.prefill] == [(0, 30)] and not first.decode  # alone: the whole budget
+    ex.run(s, first, set())
+    s.add(Request("b", [2] * 22, SamplingParams(max_tokens=2), RequestMetrics(0.0)))
+    chunks = []
+    while not chunks or chunks[-1][1] < 22:
+        plan = s.schedule()
+        assert len(plan.decode) == 1
+        chunks += [(c.start, c.stop) for c in plan.prefill]
+        ex.run(s, plan, set())
+    assert chunks == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 22)]

@@ -8,6 +8,7 @@
 #   bash benchmarks/sessions/next.sh e2e_a      # #13 growth tests; e2e HF + vanilla, snapkv, quest, h2o (ran 2026-12-01)    ~8.5 min
 #   bash benchmarks/sessions/next.sh e2e_b      # #13 e2e pyramidkv, omnikv, streamingllm (+ HF eager); burst (ran 2026-12-01) ~5 min
 #   bash benchmarks/sessions/next.sh llm        # #13 LLM rows after the chunk fix (4 methods, 32K / 128K); batch 4 rows  ~8 min
+#   bash benchmarks/sessions/next.sh burst      # #13 serving burst with the prompt cap beside decodes (512, 256)       ~4 min
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
@@ -60,6 +61,11 @@ llm)  # #13 leftovers: LLM rows after the chunk-fills-the-budget fix; batch 4 at
   timeout -s INT 300 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,snapkv,quest \
     --contexts 32768,131072 --batches 4 --chunk-sizes default --out "$OUT" --tag _h200_d > "$OUT/prefill_b4.log" 2>&1
   echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-200 ;;
+burst)  # #13: the capped mode (max_prefill_tokens_while_decoding 512, then 256) beside batched
+  timeout -s INT 150 python3 benchmarks/serving_burst.py --modes batched,capped --while-decoding 512 --out "$OUT" \
+    --tag _h200_capped512 > "$OUT/burst512.log" 2>&1; echo "512 rc=$?"; tail -3 "$OUT/burst512.log"
+  timeout -s INT 120 python3 benchmarks/serving_burst.py --modes capped --while-decoding 256 --out "$OUT" \
+    --tag _h200_capped256 > "$OUT/burst256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst256.log" ;;
 ops)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220 ;;
@@ -76,5 +82,5 @@ kivi)
 export)
   timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|ops|verify|profile|export|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|ops|verify|profile|export|kivi"; exit 2 ;;
 esac

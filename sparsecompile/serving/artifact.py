@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 #: serving options fixed by the exported decode program (its block table and method buffers have their shapes)
 FIXED_SERVING = ("max_num_seqs", "max_model_len")
-LOAD_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "max_num_batched_tokens", "cuda_graph_sizes",
-                "model_name", "num_pages", "show_progress")
+LOAD_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "max_num_batched_tokens",
+                "max_prefill_tokens_while_decoding", "cuda_graph_sizes", "model_name", "num_pages", "show_progress")
 
 
 def load_weights(root: Path, manifest: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:

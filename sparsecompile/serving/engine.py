@@ -98,7 +98,8 @@ class LLMEngine:
         self.scheduler = Scheduler(c.oracle, num_pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=chunk,
                                    prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len,
-                                   reuse=self.reuse)
+                                   reuse=self.reuse,
+                                   max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding)
         self.pruner = Pruner(self)
         sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})

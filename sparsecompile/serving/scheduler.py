@@ -25,6 +25,10 @@ The prefill path comes from the method (``prefill_mode``): "chunked" methods are
 "aligned" methods exactly ``prefill_chunk_size`` tokens per chunk (the last one shorter), as ``generate()``
 feeds them; "whole" methods the whole remaining prompt in one forward. A fixed-size chunk waits for a step
 with enough token budget, or runs past the budget when it is the step's only prefill (so it cannot starve).
+
+``max_prefill_tokens_while_decoding`` lowers the prompt budget of a step that also decodes: a step runs as long as its
+prompt work, and that is every running stream's gap between two tokens (on the 8B shape an 8,192-token step takes
+about 0.3 s against 6.5 ms for a decode step). Steps without decodes keep the whole budget.
 """
 
 from __future__ import annotations
@@ -158,7 +162,8 @@ class Scheduler:
 
     def __init__(self, oracle: MemoryOracle, num_pages: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk_size: int, prefill_mode: PrefillMode | str, max_model_len: int,
-                 watermark: float = 0.01, reuse: ReuseIndex | None = None) -> None:
+                 watermark: float = 0.01, reuse: ReuseIndex | None = None,
+                 max_prefill_tokens_while_decoding: int | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs; got "
                              f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -167,6 +172,7 @@ class Scheduler:
         self.capacity = oracle.resources(num_pages)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.prefill_chunk_size = prefill_chunk_size or max_num_batched_tokens
         self.prefill_mode = PrefillMode(prefill_mode)
         self.max_model_len = max_model_len
@@ -312,6 +318,8 @@ class Scheduler:
             self._set_reservation(r, _summed([r.reserved, need[r]]))
         out.decode = decoding
         budget = self.max_num_batched_tokens - len(decoding)
+        if decoding and self.max_prefill_tokens_while_decoding is not None:  # a step's time is the decode streams'
+            budget = min(budget, self.max_prefill_tokens_while_decoding)  # inter-token gap: bound its prompt work
         # 2. continue admitted prompts, then admit new ones (arrival order; the head of the queue blocks)
         for r in self.running:
             if r.status is RequestStatus.PREFILLING and budget > 0:
