@@ -32,8 +32,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.alloc.allocate(n)
             assert self._snapshot() == before
             return
-        tail = self.alloc._free[len(self.alloc._free) - n:]
-        pages = self.alloc.allocate(n)
+        free = self.alloc.free_list
+        tail = free[len(free) - n:]
+        pages = self.alloc.allocate(n).tolist()
         assert len(set(pages)) == n and pages == tail[::-1]  # popped from the end of the free list, in pop order
         for p in pages:
             assert p not in self.refs
@@ -62,7 +63,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.refs[p] -= c
         # pages reaching zero join the free list's end in the order of their last reference (the loop's order)
         zeroed = [p for i, p in enumerate(pages) if self.refs[p] == 0 and p not in pages[i + 1:]]
-        assert self.alloc._free[len(self.alloc._free) - len(zeroed):] == zeroed
+        free = self.alloc.free_list
+        assert free[len(free) - len(zeroed):] == zeroed
         for p in zeroed:
             del self.refs[p]
 

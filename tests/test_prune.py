@@ -37,7 +37,7 @@ def snapshot(llm: LLM) -> dict:
     m = engine.manager
     state = {name: t.clone() for name, t in (("k", m.k_pool), ("v", m.v_pool), ("pos", m.pos_pool),
                                               *m.slot_metadata.items())}
-    state.update(table=m._host_table.copy(), lengths=m._host_lengths.copy(), free=list(m.allocator._free),
+    state.update(table=m._host_table.copy(), lengths=m._host_lengths.copy(), free=m.allocator.free_list,
                  refcounts=m.allocator.refcounts(np.arange(m.num_pages)).copy(),
                  chains={k: (c.row, c.pages, c.compressed, c.tokens.tolist()) for k, c in
                          engine.reuse.chains.idle.items()})

@@ -31,6 +31,7 @@ logical selection (:meth:`build_view` with a :class:`Selection`) only changes wh
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -214,8 +215,11 @@ class CacheManager(SharedPages, SlotAccess):
     def release_sequence(self, row: int) -> None:
         """Free every page of ``row`` and return the row."""
         self._check_row(row)
-        for layer_pages in self._pages[row]:
-            self.allocator.free(layer_pages)
+        held = self._pages[row]
+        # one call for every layer: atomic (a bad page raises before anything is freed) and one vectorised pass
+        self.allocator.free(np.fromiter(itertools.chain.from_iterable(held), dtype=np.int64,
+                                        count=sum(len(pages) for pages in held)))
+        for layer_pages in held:
             layer_pages.clear()
         self._owned[row] = 0
         self._host_lengths[row] = 0
@@ -256,7 +260,7 @@ class CacheManager(SharedPages, SlotAccess):
                              f"the block table holds {maxp * P}")
         owned = self._owned[rows]
         want = -(-new_counts // P)
-        fresh = np.asarray(self.allocator.allocate(int(np.maximum(want - owned, 0).sum())), dtype=np.int64)
+        fresh = self.allocator.allocate(int(np.maximum(want - owned, 0).sum()))
         taken = 0
         for i, layer in zip(*np.nonzero(want > owned)):
             row, pages = rows[i], self._pages[rows[i]][layer]

@@ -114,7 +114,7 @@ class SharedPages:
     def _copy_page(self, row: int, layer: int, index: int) -> None:
         """Replace page ``index`` of ``(row, layer)`` by a private copy (queued device copy; host tables now)."""
         old = int(self._host_table[row, layer, index])
-        new = self.allocator.allocate(1)[0]
+        new = int(self.allocator.allocate(1)[0])
         self.allocator.free([old])  # still referenced by the other holders: it stays allocated
         self._pages[row][layer][index] = new
         self._host_table[row, layer, index] = new
