@@ -14,6 +14,9 @@
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
 #   bash benchmarks/sessions/next.sh export     # #17 export tests of the five methods not re-run after the fix    ~7 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)     ~8 min
+# Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
+# verify (every GPU test since the dynamic page dimension and the numpy allocator), llm and burst (#13's last rows),
+# then profile / kivi / export as time allows.
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
