@@ -107,8 +107,9 @@ class SparseMethod:
     prefill_mode: ClassVar[PrefillMode] = PrefillMode.CHUNKED
     #: False only for dense attention, which can also run through the SDPA-rewrite fallback (no cache access).
     needs_cache_access: ClassVar[bool] = True
-    #: A layer reads pool state that a later layer's op mutates (OmniKV scores the filter layer's keys for later
-    #: layers): the compiled decode keeps the graph in lifecycle order so that those mutations stay in place.
+    #: A layer reads pool state that a later op mutates (OmniKV scores the filter layer's keys for later layers; KIVI's
+    #: commit quantizes into the pages the layer's attention read): the compiled decode keeps the graph in lifecycle
+    #: order so that those mutations stay in place (reordered, each one copied the whole pool tensor).
     reads_pool_across_layers: ClassVar[bool] = False
     #: Prompt tokens per prefill forward when the engine option is not set (0: the whole prompt, the fastest on the
     #: H200 for methods that hold the whole prompt anyway: README "Prefill"); chunk-wise eviction sets its chunk.
