@@ -165,6 +165,7 @@ class EvictionRuntime(SparseMethod):
 
     config: EvictionConfig
     keeps_all_tokens = False
+    step_scoped = ("_counts", "_targets", "_step_counts", "_step_targets", "_step_recent")
     #: evict after every prefill chunk (H2O), not only after the prompt's last one
     chunk_eviction: ClassVar[bool] = False
 

@@ -74,7 +74,7 @@ class PatchedModel:
 
     # ------------------------------------------------------------------ the inner forward (stable for compile)
     def inner(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
-              logits_to_keep: int) -> torch.Tensor:
+              logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {"use_cache": False, "return_dict": True}
         if self.has_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep

@@ -22,13 +22,14 @@ from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_notice, compile_step
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
+from .mixed import MixedForward, MixedStep
 from .row_ops import RowOperations, capacity_bucket
-from .step import StepState
+from .step import StepState, valid_tokens
 
 InnerForward = Callable[..., torch.Tensor]
 
 
-class SparseController(RowOperations):
+class SparseController(RowOperations, MixedForward):
     """Lifecycle driver for one patched model (see module docstring)."""
 
     def __init__(self, runtime: SparseMethod, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -41,7 +42,7 @@ class SparseController(RowOperations):
         self.oracle = runtime.memory_oracle(self.layout)
         self.oracle.prefill_chunk = self.prefill_chunk
         self.manager: CacheManager | None = None
-        self.step: StepState | None = None
+        self.step: StepState | MixedStep | None = None
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
@@ -131,12 +132,24 @@ class SparseController(RowOperations):
 
         Returns ``out [batch, tokens, q_heads, head_dim]``.
         """
-        step, m, rt = self.step, self.manager, self.runtime
-        if step is None or m is None:
+        step = self.step
+        if step is None or self.manager is None:
             raise RuntimeError("sparsecompile attention ran outside a sparsecompile step: call the patched model "
                                "(model(...) or model.generate(...)), not its submodules")
         if not torch.compiler.is_compiling():
             self.attention_calls += 1
+        if isinstance(step, MixedStep):  # each part through its own step, its own plan swapped in
+            outs = []
+            for part, q, k, v in zip(step.parts, step.split(query), step.split(key), step.split(value)):
+                step.load(part)
+                outs.append(self._attend(part, layer, q, k, v, scale, sliding_window))
+                step.save(part)
+            return step.join(*outs)
+        return self._attend(step, layer, query, key, value, scale, sliding_window)
+
+    def _attend(self, step: StepState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float, sliding_window: int) -> torch.Tensor:
+        m, rt = self.manager, self.runtime
         new_slots = m.write(layer, step, key, value)
         ctx = LayerContext(layer, step, m, query, key, value, new_slots, scale, sliding_window)
         if step.scorer is not None:  # a scoring pass: dense over everything resident, the scorer instead of hooks
@@ -231,7 +244,7 @@ class SparseController(RowOperations):
             step = StepState.build(rows, valid[:, start:stop], positions[:, start:stop], is_prefill=True,
                                    is_last_chunk=[last and f for f in finals], device=self.layout.device)
             if self.runtime.needs_prompt_tokens:
-                step.prompt_tokens = _valid_tokens(input_ids[:, start:stop], valid[:, start:stop],
+                step.prompt_tokens = valid_tokens(input_ids[:, start:stop], valid[:, start:stop],
                                                    positions[:, start:stop])
             keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
             self._begin(step)
@@ -385,17 +398,6 @@ class SparseController(RowOperations):
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
         self.decode_backend = backend
         self._compiled_decode = compile_step(self._decode_eager, backend)
-
-
-def _valid_tokens(ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, list[int]]]:
-    """Per row, ``(first position, ids)`` of its valid tokens (one host copy of the chunk)."""
-    ids, valid, positions = ids.cpu(), valid.cpu(), positions.cpu()
-    out = []
-    for i in range(ids.shape[0]):
-        mask = valid[i]
-        kept = positions[i][mask]
-        out.append((int(kept[0]) if kept.numel() else 0, ids[i][mask].tolist()))
-    return out
 
 
 def _tensor_meta(tensor: torch.Tensor) -> tuple:

@@ -109,6 +109,9 @@ class QuantizedKV:
 class KiviStorage:
     """KIVI pages and residual rings of one CacheManager (module docstring)."""
 
+    #: one step's plan (``SparseMethod.step_scoped``): the controller swaps it around each step of a mixed forward
+    step_scoped = ("_defer", "_step_rows", "_before")
+
     def __init__(self, manager: CacheManager, spec: KiviSpec) -> None:
         layout = manager.layout
         if layout.page_size % spec.group_size:

@@ -71,3 +71,14 @@ class StepState:
             row_ids=list(rows),
             num_new_host=num_new.tolist(),
         )
+
+
+def valid_tokens(ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """Per row, ``(first position, ids)`` of its valid tokens (one host copy of the chunk)."""
+    ids, valid, positions = ids.cpu(), valid.cpu(), positions.cpu()
+    out = []
+    for i in range(ids.shape[0]):
+        mask = valid[i]
+        kept = positions[i][mask]
+        out.append((int(kept[0]) if kept.numel() else 0, ids[i][mask].tolist()))
+    return out

@@ -2,10 +2,11 @@
 
 One implementation: the engine drives the very SparseController that ``optimize()`` installs (same
 method runtime, CacheManager, ops and compiled decode step as ``model.generate()``); it only replaces
-HF's generation loop with the :class:`Scheduler`'s. Each :meth:`step` runs one decode forward over
-every request past its prompt (padded to a CUDA-graph batch size when decode is compiled) and one
-forward per scheduled prompt chunk, samples, applies stop conditions, and frees the rows of finished,
-aborted and preempted requests at once.
+HF's generation loop with the :class:`Scheduler`'s. A step that only decodes runs one forward over every
+request past its prompt (padded to a CUDA-graph batch size when decode is compiled); a step that also
+prefills runs the decode tokens and the first group of prompt chunks in one forward (``enable_mixed_chunk``,
+``runtime/mixed.py``), any further group in its own; then it samples once, applies stop conditions, and frees
+the rows of finished, aborted and preempted requests at once.
 
 A request with ``n > 1`` is one scheduled sequence until its prompt is prefilled; the prompt's last logits then
 give each of the ``n`` completions its first token (each from its own generator, see ``child_seed``), and the
@@ -62,6 +63,16 @@ class EngineStats:
     reuse: ReuseStats = field(default_factory=ReuseStats)  # chains, prefix cache, reclaimable pages
 
 
+@dataclass
+class _ChunkInputs:
+    """A group of prompt chunks laid out for one forward."""
+
+    lives: list[LiveSequence]
+    width: int  # tokens per row (left-padded)
+    every_position: bool  # logits at every position (prompt logprobs), else the last one only
+    forward_args: tuple  # rows, ids, positions, valid [batch, width] (host), logits_to_keep, final per row
+
+
 class LLMEngine:
     """See module docstring. Built over a model patched by ``sparsecompile.optimize()`` (``sparsecompile.LLM``
     does both), or over any :class:`ServedModel` (an exported artifact's programs: ``sparsecompile.load``)."""
@@ -105,6 +116,8 @@ class LLMEngine:
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.compiles_decode:
             allow_recompiles(2 * len(self.graph_sizes) + 8)
+        # one forward per mixed step: needs the patched HF forward (an artifact's programs are traced per phase)
+        self._mixes_steps = config.enable_mixed_chunk and isinstance(patched, PatchedServedModel)
         self.eos_token_ids = patched.eos_token_ids | eos_token_ids(None, tokenizer)
         self.vocab_size = patched.vocab_size
         self._groups: dict[str, RequestGroup] = {}  # by request id
@@ -237,19 +250,28 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self._release(plan.preempted)
         changed: list[LiveSequence] = []
-        if plan.decode:
+        groups = pack_chunks(plan.prefill, self.max_num_batched_tokens) if plan.prefill else []
+        if plan.decode and groups and self._mixes_steps:  # one forward: the decodes and the first group of chunks
+            changed += self._run_mixed(plan.decode, groups.pop(0))
+        elif plan.decode:
             changed += self._run_decode(plan.decode)
-        if plan.prefill:
-            changed += self._run_prefill(plan.prefill)
+        for group in groups:  # one forward per group of similar lengths, each within max_num_batched_tokens
+            changed += self._run_group(group)
         if plan.decode or plan.prefill:
             self._counters["steps"] += 1
         outputs += self._outputs(changed)
         return outputs
 
+    @staticmethod
+    def _decode_inputs(requests: list[Request], device: torch.device | str) -> tuple[list[int], torch.Tensor,
+                                                                                      torch.Tensor]:
+        """Rows, ids and positions ``[batch, 1]`` of a decode batch (each request's last token)."""
+        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=device)
+        positions = torch.tensor([[r.num_tokens - 1] for r in requests], device=device)
+        return [r.row for r in requests], ids, positions
+
     def _run_decode(self, requests: list[Request]) -> list[LiveSequence]:
-        rows = [r.row for r in requests]
-        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)
-        positions = torch.tensor([[r.num_tokens - 1] for r in requests], device=self.device)
+        rows, ids, positions = self._decode_inputs(requests, self.device)
         pad_to = None
         if self.controller.compiles_decode:
             pad_to = next(s for s in self.graph_sizes if s >= len(rows))
@@ -258,16 +280,32 @@ class LLMEngine:
             self.scheduler.decode_done(r)
         return self._sample([self._live[r] for r in requests], logits[:, -1])
 
-    def _run_prefill(self, chunks: list[PrefillChunk]) -> list[LiveSequence]:
-        """Every prompt chunk of the step, batched: one forward per group of similar lengths (left-padded), each
-        group's padded tokens within ``max_num_batched_tokens``, so a burst of new prompts costs a few forwards,
-        not one per prompt. Returns the requests whose prompt ended (one token sampled each)."""
-        changed: list[LiveSequence] = []
-        for group in pack_chunks(chunks, self.max_num_batched_tokens):
-            changed += self._run_group(group)
-        return changed
+    def _run_mixed(self, requests: list[Request], group: list[PrefillChunk]) -> list[LiveSequence]:
+        """The decode batch and one group of prompt chunks in one forward (``SparseController.mixed``); one sampling
+        pass for the decodes and the prompts that ended."""
+        rows, ids, positions = self._decode_inputs(requests, "cpu")  # host tensors: mixed() uploads them
+        chunk = self._group_inputs(group)
+        decode_logits, logits = self.controller.mixed(self.patched.inner, rows, ids, positions, *chunk.forward_args)
+        for r in requests:
+            self.scheduler.decode_done(r)
+        done = self._group_done(group, chunk, logits)
+        lives = [self._live[r] for r in requests] + [chunk.lives[i] for i in done]
+        last = torch.cat([decode_logits[:, -1], logits[done, -1]]) if done else decode_logits[:, -1]
+        return self._sample(lives, last)
 
     def _run_group(self, group: list[PrefillChunk]) -> list[LiveSequence]:
+        """One forward over a group of prompt chunks (left-padded); returns the requests whose prompt ended (one
+        token sampled each)."""
+        chunk = self._group_inputs(group)
+        rows, ids, positions, valid, keep, final = chunk.forward_args
+        logits = self.controller.prefill(self.patched.inner, rows, ids.to(self.device, non_blocking=True), None,
+                                         positions.to(self.device, non_blocking=True), valid, keep, final=final)
+        done = self._group_done(group, chunk, logits)
+        if not done:
+            return []
+        return self._sample([chunk.lives[i] for i in done], logits[done, -1])
+
+    def _group_inputs(self, group: list[PrefillChunk]) -> _ChunkInputs:
         now = time.monotonic()
         for chunk in group:
             r = chunk.request
@@ -285,12 +323,14 @@ class LLMEngine:
             valid[i, width - n:] = True
         lives = [self._live[c.request] for c in group]
         every_position = any(self._wants_prompt_logprobs(live) for live in lives)  # else: last position only
-        logits = self.controller.prefill(self.patched.inner, [c.request.row for c in group],
-                                         ids.to(self.device, non_blocking=True), None,
-                                         positions.to(self.device, non_blocking=True), valid,
-                                         0 if every_position else 1, final=[c.final for c in group])
-        for i, (c, live) in enumerate(zip(group, lives)):
-            if every_position and self._wants_prompt_logprobs(live):
+        return _ChunkInputs(lives, width, every_position, ([c.request.row for c in group], ids, positions, valid,
+                                                           0 if every_position else 1, [c.final for c in group]))
+
+    def _group_done(self, group: list[PrefillChunk], chunk: _ChunkInputs, logits: torch.Tensor) -> list[int]:
+        """Bookkeeping after a group's forward (prompt logprobs, progress); the indices of prompts that ended."""
+        width = chunk.width
+        for i, (c, live) in enumerate(zip(group, chunk.lives)):
+            if chunk.every_position and self._wants_prompt_logprobs(live):
                 self._record_prompt_logprobs(live.group, c.start, logits[i, width - (c.stop - c.start):])
             r = c.request
             self._counters["prompt_tokens"] += c.stop - c.start
@@ -298,10 +338,7 @@ class LLMEngine:
             slots = self.manager.slot_count_array([r.row])[0].tolist() if c.final else None
             self.scheduler.chunk_done(c, slots)
             self.reuse.progress(r)
-        done = [i for i, c in enumerate(group) if c.final]
-        if not done:
-            return []
-        return self._sample([lives[i] for i in done], logits[done, -1])
+        return [i for i, c in enumerate(group) if c.final]
 
     def _sample(self, lives: list[LiveSequence], logits: torch.Tensor) -> list[LiveSequence]:
         """Sample one token per sequence from ``logits [batch, vocab]``; apply stop conditions.

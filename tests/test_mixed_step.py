@@ -1,0 +1,102 @@
+"""The serving engine's mixed step: a step's decode tokens and its prompt chunks in one forward
+(``runtime/mixed.py``). Tokens equal the per-prompt ``generate()`` and the unmixed engine; each step runs one
+forward; a method's per-step plan (eviction targets, KIVI's deferred commit) stays with its own part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_llm import GREEDY, LENGTHS, prompts_of, reference_tokens, tiny_llm
+
+import sparsecompile
+
+
+def _count_forwards(llm, monkeypatch) -> list[str]:
+    """Record which controller entry ran each forward of ``llm``'s engine."""
+    controller, calls = llm.llm_engine.controller, []
+    for name in ("decode", "prefill", "mixed"):
+        original = getattr(controller, name)
+        monkeypatch.setattr(controller, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
+    return calls
+
+
+def test_a_step_that_decodes_and_prefills_runs_one_forward(monkeypatch):
+    reference, llm = tiny_llm(max_num_batched_tokens=64)
+    calls = _count_forwards(llm, monkeypatch)
+    prompts = prompts_of(LENGTHS)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    assert "mixed" in calls
+    steps = llm.llm_engine.stats().steps
+    assert len(calls) == steps  # one forward per step: nothing ran a decode forward beside a prompt chunk
+    _, unmixed = tiny_llm(max_num_batched_tokens=64, enable_mixed_chunk=False)
+    separate = _count_forwards(unmixed, monkeypatch)
+    assert [o.outputs[0].token_ids for o in unmixed.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outs]
+    assert "mixed" not in separate and len(separate) > unmixed.llm_engine.stats().steps
+
+
+@pytest.mark.parametrize("method,options", [
+    ("h2o", {"budget": 16}),  # decode evicts every step: its targets must not be the prefill part's
+    ("snapkv+kivi", {"budget": 24, "window": 4, "residual": 16, "group_size": 16}),  # deferred commit, quantized
+    ("kivi", {"residual": 16, "group_size": 16, "bits": 4}),
+])
+def test_mixed_steps_keep_each_parts_plan(method, options, monkeypatch):
+    reference, llm = tiny_llm(method, max_num_batched_tokens=64, **options)
+    calls = _count_forwards(llm, monkeypatch)
+    sparsecompile.optimize(reference, method, page_size=4, prefill_chunk_size=16, **options)
+    prompts = prompts_of(LENGTHS, seed=3)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert "mixed" in calls
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    stats = llm.llm_engine.stats()
+    assert stats.free_pages == stats.total_pages
+
+
+def test_prompt_logprobs_and_sampling_in_a_mixed_step():
+    """A chunk asking for prompt logprobs rides in a mixed step: every position's logits come back; seeded sampling
+    gives the same tokens as in the unmixed engine."""
+    from sparsecompile import SamplingParams
+
+    prompts = prompts_of((30, 7, 19, 44, 12), seed=5)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, prompt_logprobs=2 if i % 2 else None,
+                             logprobs=1) for i in range(len(prompts))]
+    results = []
+    for mixed in (True, False):
+        _, llm = tiny_llm(max_num_seqs=2, max_num_batched_tokens=64, enable_mixed_chunk=mixed)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+    for a, b in zip(*results):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if a.prompt_logprobs is not None:
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        else:
+            assert b.prompt_logprobs is None
+
+
+def test_a_model_without_logits_to_keep_still_mixes(monkeypatch):
+    """The patched forward of a model that ignores ``logits_to_keep`` returns every position: the controller picks
+    the decode tokens' and the chunks' last ones itself."""
+    reference, llm = tiny_llm(max_num_batched_tokens=64)
+    patched = llm.llm_engine.patched
+    inner = patched.inner
+    monkeypatch.setattr(patched, "inner", lambda **kw: inner(**{**kw, "logits_to_keep": 0}))
+    prompts = prompts_of(LENGTHS)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+
+
+def test_mixed_step_layout_round_trips():
+    from sparsecompile.runtime.mixed import MixedStep
+    from sparsecompile.runtime.step import StepState
+
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    step = MixedStep(StepState.build([0, 1], torch.ones(2, 1, dtype=torch.bool), torch.tensor([[5], [9]]),
+                                     is_prefill=False, is_last_chunk=False, device=torch.device("cpu")),
+                     StepState.build([2, 3], valid, torch.arange(6).view(2, 3), is_prefill=True,
+                                     is_last_chunk=[True, False], device=torch.device("cpu")), [])
+    x = torch.randn(1, 4, 2 + 6, 8)  # [1, heads, T, D]
+    head, tail = step.split(x)
+    assert head.shape == (2, 4, 1, 8) and tail.shape == (2, 4, 3, 8)
+    assert torch.equal(step.join(head.transpose(1, 2), tail.transpose(1, 2)), x.transpose(1, 2))
