@@ -48,6 +48,16 @@ def _points(quick: bool) -> list[tuple[str, int, int]]:
     return dense + [(m, c, b) for m in ("snapkv", "snapkv+kivi") for c, b in ((32768, 16), (131072, 4))]
 
 
+def _parse_points(text: str) -> list[tuple[str, int, int]]:
+    """``method:CONTEXTxBATCH,...`` -> ``[(method, context, batch), ...]``."""
+    points = []
+    for item in text.split(","):
+        method, point = item.rsplit(":", 1)
+        context, batch = point.lower().split("x")
+        points.append((method, int(context), int(batch)))
+    return points
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -55,6 +65,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--stage", default="all", choices=("all", "points", "capacity", "kernels"))
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
+    parser.add_argument("--points", default=None,
+                        help="only these points, e.g. kivi2:131072x4,snapkv+kivi:131072x4 (default: the stage's list)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(2, "kivi_bench.py needs a CUDA device\n")
@@ -78,7 +90,7 @@ def main() -> int:
         model = decode.build_model(args.layers)
         wbytes = decode.weight_bytes(model)
     if args.stage in ("all", "points"):
-        for method, context, batch in _points(args.quick):
+        for method, context, batch in _parse_points(args.points) if args.points else _points(args.quick):
             started = time.perf_counter()
             try:
                 point = decode.engine_point(model, method, context, batch, warmup, steps, wbytes, bandwidth)

@@ -7,13 +7,17 @@
 new prompts of the same length arrive at once, with ``max_num_batched_tokens`` (``--budget``, default 8192) per
 engine step. Each running stream's inter-token gaps are recorded from the engine's step outputs: p50 over the
 steady window, p50 / p99 while the burst is being prefilled (until every burst request has its first token).
-Two modes in the same invocation, on the same model and engine options:
+Modes in the same invocation, on the same model and engine options:
 
-* ``batched``: today's engine: a step's prompt chunks share one padded forward per group of similar lengths;
-* ``per_chunk``: one forward per prompt chunk, as the engine did before (``serving.engine.pack_chunks`` patched to
-  singleton groups), the "before" row;
-* ``capped``: ``batched`` with ``max_prefill_tokens_while_decoding`` = ``--while-decoding`` (default 512): steps
-  that decode carry at most that many prompt tokens (the burst's prefill then takes longer: ``burst_s``).
+* ``mixed``: today's engine: a step's decode tokens and its first group of prompt chunks run in one forward
+  (``enable_mixed_chunk``, the default), chunks of similar lengths share one padded forward;
+* ``separate``: ``enable_mixed_chunk=False``: one forward for the decodes, then one per group of chunks (the engine
+  before the mixed step);
+* ``per_chunk``: ``separate`` with one forward per prompt chunk (``serving.engine.pack_chunks`` patched to singleton
+  groups), the engine before chunks were batched;
+* ``capped`` / ``capped_separate``: ``mixed`` / ``separate`` with ``max_prefill_tokens_while_decoding`` =
+  ``--while-decoding`` (default 512): steps that decode carry at most that many prompt tokens (the burst's prefill
+  then takes longer: ``burst_s``).
 
 Target (issue #13): running streams' p99 during a burst of 64 new 1K-token prompts <= 3x their steady p50.
 Results: ``serving_burst<TAG>.jsonl`` under ``--out``, a table on stdout.
@@ -54,8 +58,10 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
     original = engine_module.pack_chunks
     if mode == "per_chunk":
         engine_module.pack_chunks = lambda chunks, _budget: [[c] for c in chunks]
-    capped = {"max_prefill_tokens_while_decoding": args.while_decoding} if mode == "capped" else {}
+    capped = {"max_prefill_tokens_while_decoding": args.while_decoding} if mode.startswith("capped") else {}
+    mixed = mode in ("mixed", "capped")
     llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst, **capped,
+              enable_mixed_chunk=mixed,
               max_num_batched_tokens=args.budget, compile=args.device == "cuda", cuda_graphs=args.device == "cuda",
               cuda_graph_sizes=[args.running],  # only the running streams decode (a burst request stops at 1 token)
               **METHOD_OPTIONS[args.method])
@@ -94,6 +100,7 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
         steady = _gaps(times, steady_start, burst_start)
         burst = _gaps(times, burst_start, burst_stop)
         row = {"mode": mode, "method": args.method, "running": args.running, "burst": args.burst,
+               "enable_mixed_chunk": mixed,
                "max_prefill_tokens_while_decoding": capped.get("max_prefill_tokens_while_decoding"),
                "prompt": args.prompt, "budget": args.budget, "steady_p50_ms": 1e3 * float(np.median(steady)),
                "burst_p50_ms": 1e3 * float(np.median(burst)), "burst_p99_ms": 1e3 * float(np.percentile(burst, 99)),
@@ -116,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--steady-steps", type=int, default=32)
-    parser.add_argument("--modes", default="per_chunk,batched,capped")
+    parser.add_argument("--modes", default="separate,mixed,capped,capped_separate",
+                        help="per_chunk, separate, mixed, capped, capped_separate")
     parser.add_argument("--while-decoding", type=int, default=512, help="the capped mode's prompt tokens per step")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tiny", action="store_true")
@@ -129,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_mode(model, args, mode) for mode in args.modes.split(",")]
     with open(os.path.join(args.out, f"serving_burst{args.tag}.jsonl"), "w") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"{'mode':>10} {'steady p50 ms':>14} {'burst p50 ms':>13} {'burst p99 ms':>13} {'p99/p50':>8} "
+    print(f"{'mode':>15} {'steady p50 ms':>14} {'burst p50 ms':>13} {'burst p99 ms':>13} {'p99/p50':>8} "
           f"{'burst s':>8}")
     for r in rows:
-        print(f"{r['mode']:>10} {r['steady_p50_ms']:14.1f} {r['burst_p50_ms']:13.1f} {r['burst_p99_ms']:13.1f} "
+        print(f"{r['mode']:>15} {r['steady_p50_ms']:14.1f} {r['burst_p50_ms']:13.1f} {r['burst_p99_ms']:13.1f} "
               f"{r['p99_over_steady_p50']:8.2f} {r['burst_s']:8.2f}")
     return 0
 

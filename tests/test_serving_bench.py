@@ -34,9 +34,11 @@ def test_serving_burst_benchmark_smoke(tmp_path):
     import serving_burst
 
     argv = ["--device", "cpu", "--tiny", "--running", "2", "--burst", "4", "--prompt", "48", "--budget", "128",
-            "--steady-steps", "4", "--while-decoding", "16", "--out", str(tmp_path), "--tag", "_smoke"]
+            "--steady-steps", "4", "--while-decoding", "16", "--out", str(tmp_path), "--tag", "_smoke",
+            "--modes", "per_chunk,mixed,capped_separate"]
     assert serving_burst.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "serving_burst_smoke.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in rows] == ["per_chunk", "batched", "capped"]
+    assert [r["mode"] for r in rows] == ["per_chunk", "mixed", "capped_separate"]
     assert [r["max_prefill_tokens_while_decoding"] for r in rows] == [None, None, 16]
+    assert [r["enable_mixed_chunk"] for r in rows] == [False, True, False]
     assert all(r["burst_p99_ms"] >= r["burst_p50_ms"] > 0 and r["steady_p50_ms"] > 0 for r in rows)

@@ -69,6 +69,17 @@ burst)  # #13: the capped mode (max_prefill_tokens_while_decoding 512, then 256)
     --tag _h200_capped512 > "$OUT/burst512.log" 2>&1; echo "512 rc=$?"; tail -3 "$OUT/burst512.log"
   timeout -s INT 120 python3 benchmarks/serving_burst.py --modes capped --while-decoding 256 --out "$OUT" \
     --tag _h200_capped256 > "$OUT/burst256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst256.log" ;;
+mixed)  # #13 item 6 (one forward per mixed step) and the KIVI in-place commit: GPU tests, then the burst before / after
+  timeout -s INT 280 $P tests/gpu/test_mixed_cuda.py tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_mixed.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_mixed.log" | tail -8
+  timeout -s INT 170 python3 benchmarks/serving_burst.py --modes separate,mixed,capped --while-decoding 512 \
+    --out "$OUT" --tag _h200_mixed > "$OUT/burst_mixed.log" 2>&1; echo "burst rc=$?"; tail -4 "$OUT/burst_mixed.log"
+  timeout -s INT 60 python3 benchmarks/serving_burst.py --modes capped --while-decoding 256 --out "$OUT" \
+    --tag _h200_mixed256 > "$OUT/burst_mixed256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_mixed256.log" ;;
+kivi_fix)  # #20 after the in-place commit: the 128K x 4 points
+  timeout 400 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4,snapkv+kivi:131072x4,kivi2:32768x1 \
+    --out "$OUT/kivi_h200_b.jsonl" > "$OUT/kivi_b.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_b.log" | tail -12
+  grep '"tok_s"' "$OUT/kivi_h200_b.jsonl" | cut -c1-260 ;;
 ops)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220 ;;
@@ -85,5 +96,5 @@ kivi)
 export)
   timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|ops|verify|profile|export|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|export|kivi"; exit 2 ;;
 esac
