@@ -9,8 +9,8 @@ engine step. Each running stream's inter-token gaps are recorded from the engine
 steady window, p50 / p99 while the burst is being prefilled (until every burst request has its first token).
 Modes in the same invocation, on the same model and engine options:
 
-* ``mixed``: today's engine: a step's decode tokens and its first group of prompt chunks run in one forward
-  (``enable_mixed_chunk``, the default), chunks of similar lengths share one padded forward;
+* ``mixed``: today's engine: a step's decode tokens and all its prompt chunks run in one forward
+  (``enable_mixed_chunk``, the default), chunks of similar lengths padded together;
 * ``separate``: ``enable_mixed_chunk=False``: one forward for the decodes, then one per group of chunks (the engine
   before the mixed step);
 * ``per_chunk``: ``separate`` with one forward per prompt chunk (``serving.engine.pack_chunks`` patched to singleton

@@ -130,9 +130,9 @@ class ServingConfig:
         None, "prompt tokens a step carries while requests decode (default: the whole step budget); lower keeps "
               "running streams' inter-token latency near a decode step's during a burst of new prompts, at the cost "
               "of those prompts' time to first token (fixed-size chunks, H2O's, still run one per step)")
-    enable_mixed_chunk: bool = option(True, "run a step's decode tokens and its first group of prompt chunks in one "
-                                            "forward (as vLLM batches; SGLang's --enable-mixed-chunk); off: one "
-                                            "forward for the decodes, then one per group of chunks")
+    enable_mixed_chunk: bool = option(True, "run a step's decode tokens and all its prompt chunks in one forward (as "
+                                            "vLLM batches; SGLang's --enable-mixed-chunk); off: one forward for the "
+                                            "decodes, then one per group of chunks of similar lengths")
     kv_cache_memory: float | None = option(None, "KV pool size: bytes, or a fraction of the GPU memory free after "
                                                  "loading (default 0.85 on CUDA, 1 GiB on CPU)")
     gpu_memory_utilization: float | None = option(None, "fraction of the GPU's total memory the process may use "

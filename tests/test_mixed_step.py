@@ -91,12 +91,36 @@ def test_mixed_step_layout_round_trips():
     from sparsecompile.runtime.mixed import MixedStep
     from sparsecompile.runtime.step import StepState
 
-    valid = torch.tensor([[False, True, True], [True, True, True]])
-    step = MixedStep(StepState.build([0, 1], torch.ones(2, 1, dtype=torch.bool), torch.tensor([[5], [9]]),
-                                     is_prefill=False, is_last_chunk=False, device=torch.device("cpu")),
-                     StepState.build([2, 3], valid, torch.arange(6).view(2, 3), is_prefill=True,
-                                     is_last_chunk=[True, False], device=torch.device("cpu")), [])
-    x = torch.randn(1, 4, 2 + 6, 8)  # [1, heads, T, D]
-    head, tail = step.split(x)
-    assert head.shape == (2, 4, 1, 8) and tail.shape == (2, 4, 3, 8)
-    assert torch.equal(step.join(head.transpose(1, 2), tail.transpose(1, 2)), x.transpose(1, 2))
+    cpu = torch.device("cpu")
+    decode = StepState.build([0, 1], torch.ones(2, 1, dtype=torch.bool), torch.tensor([[5], [9]]), is_prefill=False,
+                             is_last_chunk=False, device=cpu)
+    wide = StepState.build([2, 3], torch.tensor([[False, True, True], [True, True, True]]), torch.arange(6).view(2, 3),
+                           is_prefill=True, is_last_chunk=[True, False], device=cpu)
+    narrow = StepState.build([4], torch.ones(1, 2, dtype=torch.bool), torch.tensor([[7, 8]]), is_prefill=True,
+                             is_last_chunk=True, device=cpu)
+    step = MixedStep([decode, wide, narrow], [])
+    x = torch.randn(1, 4, 2 + 6 + 2, 8)  # [1, heads, T, D]
+    parts = step.split(x)
+    assert [tuple(p.shape) for p in parts] == [(2, 4, 1, 8), (2, 4, 3, 8), (1, 4, 2, 8)]
+    assert torch.equal(step.join([p.transpose(1, 2) for p in parts]), x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("method,options", [
+    ("snapkv", {"budget": 16, "window": 4}),  # both groups compact at their prompt's end: scores kept per step
+    ("snapkv+kivi", {"budget": 24, "window": 4, "residual": 16, "group_size": 16}),  # and deferred commits
+])
+def test_groups_of_different_lengths_share_the_forward(method, options, monkeypatch):
+    """Chunks that do not pad well together (60 tokens beside 22 and 14) form groups, and every group of a step
+    rides in the one forward, each group a prefill step of its own."""
+    reference, llm = tiny_llm(method, max_num_batched_tokens=96, prefill_chunk_size=64, **options)
+    sparsecompile.optimize(reference, method, page_size=4, prefill_chunk_size=64, **options)
+    controller, shapes = llm.llm_engine.controller, []
+    original = controller.mixed
+    monkeypatch.setattr(controller, "mixed",
+                        lambda inner, rows, ids, pos, groups: shapes.append((len(rows), len(groups)))
+                        or original(inner, rows, ids, pos, groups))
+    prompts = prompts_of((60, 22, 50, 9, 35), seed=7)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    assert shapes[0] == (0, 2)  # the first step: two groups, nothing decoding yet
+    assert any(d > 0 and g > 0 for d, g in shapes)

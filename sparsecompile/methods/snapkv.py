@@ -75,12 +75,17 @@ class SnapKVRuntime(EvictionRuntime):
     name = "snapkv"
     config_class = SnapKVConfig
     config: SnapKVConfig
+    step_scoped = (*EvictionRuntime.step_scoped, "_pending")
 
     def __init__(self, config: SnapKVConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
         # row -> (queries [layers, q_heads, window, head_dim], positions [layers, window]) while its prompt runs
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: dict[int, torch.Tensor] = {}  # layer -> pooled scores [batch, kv_heads, width] (last chunk)
+
+    def prepare_step(self, manager: CacheManager, step: StepState) -> None:
+        super().prepare_step(manager, step)
+        self._pending = {}  # this step's own (several prefill steps may share a forward: step_scoped)
 
     def reset_rows(self, rows: list[int]) -> None:
         for row in rows:

@@ -144,7 +144,7 @@ class SparseController(RowOperations, MixedForward):
                 step.load(part)
                 outs.append(self._attend(part, layer, q, k, v, scale, sliding_window))
                 step.save(part)
-            return step.join(*outs)
+            return step.join(outs)
         return self._attend(step, layer, query, key, value, scale, sliding_window)
 
     def _attend(self, step: StepState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -110,7 +110,7 @@ class KiviStorage:
     """KIVI pages and residual rings of one CacheManager (module docstring)."""
 
     #: one step's plan (``SparseMethod.step_scoped``): the controller swaps it around each step of a mixed forward
-    step_scoped = ("_defer", "_step_rows", "_before")
+    step_scoped = ("_defer", "_step_rows", "_before", "_work", "_pending")
 
     def __init__(self, manager: CacheManager, spec: KiviSpec) -> None:
         layout = manager.layout
@@ -182,6 +182,7 @@ class KiviStorage:
         self._defer = bool(defer and step.is_prefill)
         self._step_rows = list(step.row_ids)
         self._before = None
+        self._work, self._pending = {}, {}  # this step's own (several steps may share a forward: step_scoped)
         if self._defer:
             self._before = self.manager.slot_count_array(step.row_ids) - np.asarray(step.num_new_host)[:, None]
 

@@ -3,10 +3,10 @@
 One implementation: the engine drives the very SparseController that ``optimize()`` installs (same
 method runtime, CacheManager, ops and compiled decode step as ``model.generate()``); it only replaces
 HF's generation loop with the :class:`Scheduler`'s. A step that only decodes runs one forward over every
-request past its prompt (padded to a CUDA-graph batch size when decode is compiled); a step that also
-prefills runs the decode tokens and the first group of prompt chunks in one forward (``enable_mixed_chunk``,
-``runtime/mixed.py``), any further group in its own; then it samples once, applies stop conditions, and frees
-the rows of finished, aborted and preempted requests at once.
+request past its prompt (padded to a CUDA-graph batch size when decode is compiled); any other step runs its
+decode tokens and every group of prompt chunks (chunks of similar lengths, left-padded) in one forward
+(``enable_mixed_chunk``, ``runtime/mixed.py``); then it samples once, applies stop conditions, and frees the rows
+of finished, aborted and preempted requests at once.
 
 A request with ``n > 1`` is one scheduled sequence until its prompt is prefilled; the prompt's last logits then
 give each of the ``n`` completions its first token (each from its own generator, see ``child_seed``), and the
@@ -250,13 +250,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self._release(plan.preempted)
         changed: list[LiveSequence] = []
+        # prompt chunks in groups of similar lengths (each left-padded within max_num_batched_tokens)
         groups = pack_chunks(plan.prefill, self.max_num_batched_tokens) if plan.prefill else []
-        if plan.decode and groups and self._mixes_steps:  # one forward: the decodes and the first group of chunks
-            changed += self._run_mixed(plan.decode, groups.pop(0))
-        elif plan.decode:
-            changed += self._run_decode(plan.decode)
-        for group in groups:  # one forward per group of similar lengths, each within max_num_batched_tokens
-            changed += self._run_group(group)
+        if self._mixes_steps and len(groups) + bool(plan.decode) > 1:  # one forward for the decodes and every group
+            changed += self._run_mixed(plan.decode, groups)
+        else:  # decode only (its CUDA graph), one group only, or mixing off: a forward each
+            if plan.decode:
+                changed += self._run_decode(plan.decode)
+            for group in groups:
+                changed += self._run_group(group)
         if plan.decode or plan.prefill:
             self._counters["steps"] += 1
         outputs += self._outputs(changed)
@@ -280,18 +282,22 @@ class LLMEngine:
             self.scheduler.decode_done(r)
         return self._sample([self._live[r] for r in requests], logits[:, -1])
 
-    def _run_mixed(self, requests: list[Request], group: list[PrefillChunk]) -> list[LiveSequence]:
-        """The decode batch and one group of prompt chunks in one forward (``SparseController.mixed``); one sampling
-        pass for the decodes and the prompts that ended."""
+    def _run_mixed(self, requests: list[Request], groups: list[list[PrefillChunk]]) -> list[LiveSequence]:
+        """The decode batch and every group of prompt chunks in one forward (``SparseController.mixed``); one
+        sampling pass for the decodes and the prompts that ended."""
         rows, ids, positions = self._decode_inputs(requests, "cpu")  # host tensors: mixed() uploads them
-        chunk = self._group_inputs(group)
-        decode_logits, logits = self.controller.mixed(self.patched.inner, rows, ids, positions, *chunk.forward_args)
+        chunks = [self._group_inputs(group) for group in groups]
+        decode_logits, group_logits = self.controller.mixed(self.patched.inner, rows, ids, positions,
+                                                            [c.forward_args for c in chunks])
         for r in requests:
             self.scheduler.decode_done(r)
-        done = self._group_done(group, chunk, logits)
-        lives = [self._live[r] for r in requests] + [chunk.lives[i] for i in done]
-        last = torch.cat([decode_logits[:, -1], logits[done, -1]]) if done else decode_logits[:, -1]
-        return self._sample(lives, last)
+        lives = [self._live[r] for r in requests]
+        last = [decode_logits[:, -1]] if requests else []
+        for group, chunk, logits in zip(groups, chunks, group_logits):
+            done = self._group_done(group, chunk, logits)
+            lives += [chunk.lives[i] for i in done]
+            last.append(logits[done, -1])
+        return self._sample(lives, torch.cat(last)) if lives else []
 
     def _run_group(self, group: list[PrefillChunk]) -> list[LiveSequence]:
         """One forward over a group of prompt chunks (left-padded); returns the requests whose prompt ended (one
