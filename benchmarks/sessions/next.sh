@@ -14,9 +14,12 @@
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
 #   bash benchmarks/sessions/next.sh export     # #17 export tests of the five methods not re-run after the fix    ~7 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)     ~8 min
+#   bash benchmarks/sessions/next.sh mixed      # #13 item 6: GPU tests of the mixed step and KIVI; burst separate /
+#                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
+#   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# verify (every GPU test since the dynamic page dimension and the numpy allocator), llm and burst (#13's last rows),
-# then profile / kivi / export as time allows.
+# `mixed` again (the final mixed step: every chunk group in the step's forward, not yet run on a GPU), `profile` (#14),
+# `export` (#17), the KIVI largest batch (kivi_bench.py --stage capacity --quick, #20), `verify` as time allows.
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
