@@ -11,28 +11,42 @@ from test_llm import GREEDY, LENGTHS, prompts_of, reference_tokens, tiny_llm
 import sparsecompile
 
 
-def _count_forwards(llm, monkeypatch) -> list[str]:
-    """Record which controller entry ran each forward of ``llm``'s engine."""
-    controller, calls = llm.llm_engine.controller, []
-    for name in ("decode", "prefill", "mixed"):
-        original = getattr(controller, name)
-        monkeypatch.setattr(controller, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
+def record_forwards(llm, patch=setattr) -> list[str]:
+    """Record, in order, each engine step (``"step"``) and the controller entry of each of its forwards (``"decode"``,
+    ``"prefill"``, ``"mixed"``); ``patch``: pytest's ``monkeypatch.setattr`` to undo it afterwards."""
+    engine, calls = llm.llm_engine, []
+    for owner, name in ((engine.controller, "decode"), (engine.controller, "prefill"), (engine.controller, "mixed"),
+                        (engine, "step")):
+        original = getattr(owner, name)
+        patch(owner, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
     return calls
+
+
+def forwards(calls: list[str]) -> list[str]:
+    """The forwards of :func:`record_forwards`' record, without the step marks."""
+    return [c for c in calls if c != "step"]
+
+
+def forwards_per_step(calls: list[str]) -> list[set[str]]:
+    """The entries of each step's forwards (steps without a forward left out)."""
+    return [set(s.split()) for s in " ".join(calls).split("step") if s.strip()]
 
 
 def test_a_step_that_decodes_and_prefills_runs_one_forward(monkeypatch):
     reference, llm = tiny_llm(max_num_batched_tokens=64)
-    calls = _count_forwards(llm, monkeypatch)
+    record = record_forwards(llm, monkeypatch.setattr)
     prompts = prompts_of(LENGTHS)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    calls = forwards(record)
     assert "mixed" in calls
     steps = llm.llm_engine.stats().steps
     assert len(calls) == steps  # one forward per step: nothing ran a decode forward beside a prompt chunk
     _, unmixed = tiny_llm(max_num_batched_tokens=64, enable_mixed_chunk=False)
-    separate = _count_forwards(unmixed, monkeypatch)
+    record = record_forwards(unmixed, monkeypatch.setattr)
     assert [o.outputs[0].token_ids for o in unmixed.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in outs]
+    separate = forwards(record)
     assert "mixed" not in separate and len(separate) > unmixed.llm_engine.stats().steps
 
 
@@ -43,11 +57,11 @@ def test_a_step_that_decodes_and_prefills_runs_one_forward(monkeypatch):
 ])
 def test_mixed_steps_keep_each_parts_plan(method, options, monkeypatch):
     reference, llm = tiny_llm(method, max_num_batched_tokens=64, **options)
-    calls = _count_forwards(llm, monkeypatch)
+    record = record_forwards(llm, monkeypatch.setattr)
     sparsecompile.optimize(reference, method, page_size=4, prefill_chunk_size=16, **options)
     prompts = prompts_of(LENGTHS, seed=3)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert "mixed" in calls
+    assert "mixed" in record
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
     stats = llm.llm_engine.stats()
     assert stats.free_pages == stats.total_pages

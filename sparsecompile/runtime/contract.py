@@ -112,8 +112,8 @@ class SparseMethod:
     #: order so that those mutations stay in place (reordered, each one copied the whole pool tensor).
     reads_pool_across_layers: ClassVar[bool] = False
     #: Attributes holding one step's plan from ``prepare_step`` to ``commit_step`` (reassigned each step, never mutated
-    #: in place). The serving engine runs a decode step and a prefill step in one forward
-    #: (``SparseController.mixed``): the controller swaps these in and out around each step's hooks.
+    #: in place). The serving engine runs a step's decode tokens and its prompt-chunk groups, each a step of its own, in
+    #: one forward (``SparseController.mixed``): the controller swaps these in and out around each step's hooks.
     step_scoped: ClassVar[tuple[str, ...]] = ()
     #: Prompt tokens per prefill forward when the engine option is not set (0: the whole prompt, the fastest on the
     #: H200 for methods that hold the whole prompt anyway: README "Prefill"); chunk-wise eviction sets its chunk.

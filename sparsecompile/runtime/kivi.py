@@ -109,7 +109,7 @@ class QuantizedKV:
 class KiviStorage:
     """KIVI pages and residual rings of one CacheManager (module docstring)."""
 
-    #: one step's plan (``SparseMethod.step_scoped``): the controller swaps it around each step of a mixed forward
+    #: one step's plan (``SparseMethod.step_scoped``): the controller swaps it around each step sharing a forward
     step_scoped = ("_defer", "_step_rows", "_before", "_work", "_pending")
 
     def __init__(self, manager: CacheManager, spec: KiviSpec) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import ServingConfig
 from ..runtime.compilation import allow_recompiles
+from ..runtime.mixed import ChunkGroup
 from .detokenizer import Detokenizer
 from .interface import ServedModel
 from .logprobs import LogprobRecorder
@@ -70,7 +71,7 @@ class _ChunkInputs:
     lives: list[LiveSequence]
     width: int  # tokens per row (left-padded)
     every_position: bool  # logits at every position (prompt logprobs), else the last one only
-    forward_args: tuple  # rows, ids, positions, valid [batch, width] (host), logits_to_keep, final per row
+    forward_args: ChunkGroup  # rows, ids, positions, valid [batch, width] (host), logits_to_keep, final per row
 
 
 class LLMEngine:

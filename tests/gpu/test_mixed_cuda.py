@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_mixed_step import forwards_per_step, record_forwards  # noqa: E402
 from tiny_models import tiny_pair  # noqa: E402
 
 from sparsecompile import LLM, SamplingParams  # noqa: E402
@@ -40,14 +41,9 @@ def test_mixed_steps_equal_separate_forwards_on_cuda(method, options):
     for mixed in (True, False):
         _, model = tiny_pair()
         llm = LLM(model.cuda(), method, tokenizer=Digits(), enable_mixed_chunk=mixed, **ENGINE, **options)
-        engine, calls = llm.llm_engine, []
-        for owner, name in ((engine.controller, "decode"), (engine.controller, "prefill"),
-                            (engine.controller, "mixed"), (engine, "step")):
-            original = getattr(owner, name)
-            setattr(owner, name, lambda *a, _n=name, _f=original, _c=calls, **k: _c.append(_n) or _f(*a, **k))
+        record = record_forwards(llm)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        # the forwards of each step
-        forwards.append([set(s.split()) for s in " ".join(calls).split("step") if s.strip()])
+        forwards.append(forwards_per_step(record))
     assert tokens[0] == tokens[1]
     mixed, separate = forwards
     assert any("mixed" in s for s in mixed) and not any({"decode", "prefill"} <= s for s in mixed)
