@@ -54,6 +54,7 @@ LOAD_VARIANTS = {
     "build_no_pch": "package built with aot_inductor.precompile_headers=False",
     "build_embed_cubin": "package built with aot_inductor.embed_kernel_binary=True",
     "build_wrapper_O0": "package built with aot_inductor.compile_wrapper_opt_level=O0",
+    "build_shared_libstdcxx": "package linked with -l:libstdc++.so.6 (sparsecompile.serving.aoti_linkage)",
     "so_aot_load": "torch._export.aot_compile .so + torch._export.aot_load",
     "export_load": "torch.export.save / torch.export.load, ExportedProgram.module() (no AOTI)",
     "cache_warm_start": "torch.compiler.load_cache_artifacts, then torch.compile of the same module (warm start)",
@@ -63,8 +64,13 @@ LOAD_VARIANTS = {
     "ops_export_load": "ops program through torch.export.load",
     "artifact_load": "sparsecompile.load of a tiny exported Llama, greedy generate",
 }
-QUICK = ("metadata_only", "loader_class", "aoti_default", "aoti_single_threaded", "build_external_weights",
-         "export_load", "ops_aoti", "artifact_load")
+QUICK = ("metadata_only", "loader_class", "aoti_default", "build_shared_libstdcxx", "ops_aoti", "artifact_load")
+# what each load variant needs built (a package build costs ~70 s on the H200 image: build only what is loaded)
+NEEDS = {"build_external_weights": "linear_ext", "build_no_pch": "linear_no_pch", "build_embed_cubin": "linear_embed",
+         "build_wrapper_O0": "linear_O0", "build_shared_libstdcxx": "linear_shared_libstdcxx",
+         "so_aot_load": "linear_so", "export_load": "linear_ep",
+         "cache_warm_start": "linear_cache", "ops_aoti": "ops", "ops_aoti_cudagraph": "ops", "ops_export_load": "ops",
+         "artifact_load": "artifact", "same_process": None}
 
 
 # ------------------------------------------------------------------------------------------------- build role
@@ -106,7 +112,8 @@ class _OpsModule:
         return (q, k, v, k_pool, v_pool, pos_pool, slots, positions, index, lengths)
 
 
-def _build(workdir: Path) -> dict:
+def _build(workdir: Path, wanted: set[str] | None = None) -> dict:
+    """Build the packages named in ``wanted`` (all when None) into ``workdir``; ``build.json`` reports each."""
     import torch
 
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
@@ -120,6 +127,8 @@ def _build(workdir: Path) -> dict:
     ep = torch.export.export(model, (x,))
 
     def attempt(name, fn):
+        if wanted is not None and name not in wanted:
+            return
         start = time.perf_counter()
         try:
             fn()
@@ -137,6 +146,14 @@ def _build(workdir: Path) -> dict:
     attempt("linear_no_pch", lambda: package("linear_no_pch", {"aot_inductor.precompile_headers": False}))
     attempt("linear_embed", lambda: package("linear_embed", {"aot_inductor.embed_kernel_binary": True}))
     attempt("linear_O0", lambda: package("linear_O0", {"aot_inductor.compile_wrapper_opt_level": "O0"}))
+
+    def shared_libstdcxx():
+        sys.path.insert(0, str(ROOT))
+        from sparsecompile.serving.aoti_linkage import link_options
+
+        package("linear_shared_libstdcxx", link_options())
+
+    attempt("linear_shared_libstdcxx", shared_libstdcxx)
 
     def so_route():
         path = torch._export.aot_compile(model, (x,), options={"aot_inductor.output_path": str(workdir / "linear.so")})
@@ -167,7 +184,10 @@ def _build(workdir: Path) -> dict:
         torch.save({"expected": out.cpu(), "k_pool": fresh[3].cpu()}, workdir / "ops_io.pt")
         ops_ep = torch.export.export(module, tuple(a.clone() for a in args), strict=False)
         torch.export.save(ops_ep, str(workdir / "ops.ep.pt2"))
-        torch._inductor.aoti_compile_and_package(ops_ep, package_path=str(workdir / "ops.pt2"))
+        from sparsecompile.serving.aoti_linkage import link_options  # as sparsecompile.export builds packages
+
+        torch._inductor.aoti_compile_and_package(ops_ep, package_path=str(workdir / "ops.pt2"),
+                                                 inductor_configs=link_options())
 
     attempt("ops", ops)
 
@@ -181,7 +201,7 @@ def _build(workdir: Path) -> dict:
         _, model = tiny_pair("llama")
         model = model.to(DEVICE)
         tokenizer = word_tokenizer(96)
-        sparsecompile.export(model, workdir / "artifact", "vanilla", tokenizer=tokenizer, max_num_seqs=2,
+        sparsecompile.export(model, workdir / "artifact", "vanilla", tokenizer=tokenizer, form="aoti", max_num_seqs=2,
                              max_model_len=128, page_size=4, prefill_chunk_size=16)
         llm = sparsecompile.LLM(model, "vanilla", tokenizer=tokenizer, max_num_seqs=2, max_model_len=128, page_size=4,
                                 prefill_chunk_size=16)
@@ -238,7 +258,8 @@ def _load(variant: str, workdir: Path) -> dict:
     elif variant == "aoti_single_threaded":
         out = torch._inductor.aoti_load_package(str(workdir / "linear.pt2"), run_single_threaded=True)(x)
     elif variant.startswith("build_"):
-        name = {"build_no_pch": "linear_no_pch", "build_embed_cubin": "linear_embed", "build_wrapper_O0": "linear_O0"}
+        name = {"build_no_pch": "linear_no_pch", "build_embed_cubin": "linear_embed", "build_wrapper_O0": "linear_O0",
+                "build_shared_libstdcxx": "linear_shared_libstdcxx"}
         out = torch._inductor.aoti_load_package(str(workdir / f"{name[variant]}.pt2"))(x)
     elif variant == "so_aot_load":
         out = torch._export.aot_load((workdir / "so_path.txt").read_text().strip(), device=DEVICE)(x)
@@ -348,6 +369,73 @@ def _run(args: list[str], env: dict, timeout: float) -> tuple[int, str, str, flo
         return 124, out, errout, time.perf_counter() - start
 
 
+def _shell(cmd: list[str]) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return (done.stdout + done.stderr).strip()[-3000:]
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _environment() -> dict:
+    """Versions a native crash may depend on: driver, CUDA runtime, compiler, C library."""
+    import platform
+
+    import torch
+
+    return {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": platform.python_version(),
+            "glibc": " ".join(platform.libc_ver()), "cxx": _shell(["c++", "--version"]).splitlines()[:1],
+            "driver": _shell(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"]),
+            "debuggers": [d for d in ("gdb", "cuda-gdb") if shutil.which(d)]}
+
+
+def _inspect_so(package: Path, workdir: Path) -> dict:
+    """The package's shared library: unresolved symbols (``ldd -r``) and what it links."""
+    import zipfile
+
+    target = workdir / "unzipped"
+    with zipfile.ZipFile(package) as archive:
+        archive.extractall(target)
+    libraries = sorted(str(p) for p in target.rglob("*.so"))
+    return {"so_files": [p[len(str(target)):] for p in libraries],
+            "ldd": {p[len(str(target)):]: _shell(["ldd", "-r", p])[-1500:] for p in libraries[:2]}}
+
+
+def _native(variant: str, workdir: Path, timeout: float) -> dict:
+    """Where a crashing load dies in native code: the libraries the wrapper needs (``readelf``), the shared objects
+    the loader maps (``LD_DEBUG=libs``: which CUDA runtime answers), and a debugger's backtrace. The debugger runs
+    without init files and with debuginfod off: this host reaches no network, and a symbol download waits forever."""
+    load = [sys.executable, "-X", "faulthandler", __file__, "--role", "load", "--variant", variant, "--workdir",
+            str(workdir)]
+    wrapper = sorted((workdir / "unzipped").rglob("*.so"))
+    report: dict = {"crashed": variant}
+    if wrapper:
+        needed = _shell(["readelf", "-d", str(wrapper[0])])
+        report["needed"] = [ln.split("[")[-1].rstrip("]") for ln in needed.splitlines() if "NEEDED" in ln]
+    try:
+        done = subprocess.run(load, capture_output=True, text=True, timeout=120,
+                              env={**_env(variant, workdir), "LD_DEBUG": "libs"})
+        lines = done.stderr.splitlines()
+        report["cuda_libraries"] = sorted({ln.split("trying file=")[-1] for ln in lines
+                                           if "trying file=" in ln and ("cudart" in ln or "libcuda." in ln)})[:20]
+        report["last_inits"] = [ln.strip()[:200] for ln in lines if "calling init" in ln][-8:]
+    except subprocess.TimeoutExpired:
+        report["ld_debug"] = "timeout"
+    debugger = shutil.which("gdb") or shutil.which("cuda-gdb")
+    if debugger:
+        cmd = [debugger, "-nx", "-batch", "-ex", "set debuginfod enabled off", "-ex", "set pagination off",
+               "-ex", "set auto-solib-add on", "-ex", "run", "-ex", "bt 40", "-ex", "info registers rip", "--args",
+               *load]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env("gdb", workdir))
+            keep = [ln for ln in done.stdout.splitlines() if ln.startswith(("#", "Thread", "rip", "Program"))]
+            report.update(debugger=debugger, backtrace=keep[-60:] or done.stdout[-3000:].splitlines())
+        except subprocess.TimeoutExpired as err:
+            out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+            report.update(debugger=debugger, backtrace=["timeout"] + out[-2000:].splitlines())
+    return report
+
+
 def _status(rc: int) -> str:
     return {0: "ok", 124: "timeout", -11: "SEGFAULT", 139: "SEGFAULT", -6: "abort", 134: "abort"}.get(rc, f"rc={rc}")
 
@@ -371,13 +459,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cuda (default) or cpu (a self-test of this script)")
     parser.add_argument("--role", default="driver", choices=["driver", "build", "load"], help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--builds", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gdb-timeout", type=float, default=240.0, help="seconds for the debugger's backtrace")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device or DEVICE
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="aoti-probe-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.role == "build":
-        print(json.dumps(_build(workdir)))
+        print(json.dumps(_build(workdir, set(args.builds.split(",")) if args.builds else None)))
         return 0
     if args.role == "load":
         print("RESULT " + json.dumps(_load(args.variant, workdir)))
@@ -392,28 +482,26 @@ def main(argv: list[str] | None = None) -> int:
             sink.write(json.dumps(row) + "\n")
             sink.flush()
 
-    rc, out, err, seconds = _run([__file__, "--role", "build", "--workdir", str(workdir)], _env("build", workdir),
-                                 args.build_timeout)
+    names = args.variants.split(",") if args.variants else list(QUICK if args.quick else LOAD_VARIANTS)
+    builds = {NEEDS.get(n, "linear") for n in names} - {None}
+    emit({"variant": "environment", "status": "info", **_environment()})
+    rc, out, err, seconds = _run([__file__, "--role", "build", "--workdir", str(workdir), "--builds", ",".join(builds)],
+                                 _env("build", workdir), args.build_timeout)
     build = json.loads((workdir / "build.json").read_text()) if (workdir / "build.json").exists() else {}
     emit({"variant": "build", "status": _status(rc), "seconds": round(seconds, 1), "built": build.get("built"),
           "errors": build.get("errors"), "torch": build.get("torch"), "device": build.get("device"),
           "last": _last_line(err) if rc else ""})
-    names = args.variants.split(",") if args.variants else list(QUICK if args.quick else LOAD_VARIANTS)
+    if (workdir / "linear.pt2").exists():
+        emit({"variant": "package_so", "status": "info", **_inspect_so(workdir / "linear.pt2", workdir)})
     for name in names:
         rc, out, err, seconds = _run([__file__, "--role", "load", "--variant", name, "--workdir", str(workdir)],
                                      _env(name, workdir), args.timeout)
         payload = next((json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")), {})
         emit({"variant": name, "what": LOAD_VARIANTS.get(name, ""), "status": _status(rc), "wall_s": round(seconds, 1),
               **payload, "last": _last_line(err) if rc else "", "stderr_tail": err[-1500:] if rc else ""})
-    default = next((r for r in rows if r["variant"] == "aoti_default"), None)
-    if default and default["status"] != "ok" and shutil.which("cuda-gdb"):
-        cmd = ["cuda-gdb", "-batch", "-ex", "run", "-ex", "bt", "--args", sys.executable, __file__, "--role", "load",
-               "--variant", "aoti_default", "--workdir", str(workdir)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env("gdb", workdir))
-            emit({"variant": "cuda_gdb_backtrace", "status": "info", "backtrace": done.stdout[-4000:]})
-        except (subprocess.TimeoutExpired, OSError) as error:
-            emit({"variant": "cuda_gdb_backtrace", "status": "error", "last": str(error)[:200]})
+    crashed = next((r for r in rows if r["variant"] in ("loader_class", "aoti_default") and r["status"] != "ok"), None)
+    if crashed:
+        emit({"variant": "native", "status": "info", **_native(crashed["variant"], workdir, args.gdb_timeout)})
     if sink:
         sink.close()
     print(f"\n{'variant':28} {'status':9} {'s':>6} {'max|err|':>10}  last error")

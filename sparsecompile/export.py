@@ -66,9 +66,11 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             ``max_num_seqs`` and ``max_model_len`` are fixed in the artifact (the decode program's tables have
             their shapes); the KV memory is chosen at load.
         form: ``"aoti"`` (AOTInductor packages) or ``"exported"`` (torch.export programs: the fallback for hosts
-            where AOTI packages do not load). Default: ``"aoti"`` on CPU, ``"exported"`` on CUDA, where on the H200
-            image (torch 2.11 + CUDA 13.0) ``aoti_load_package`` segfaults in a fresh process even for a package of
-            one ``Linear`` and no custom op (``benchmarks/aoti_min.py``, ``results/aoti_min_h200.log``).
+            where AOTI packages do not load). Default: ``"aoti"`` on CPU, ``"exported"`` on CUDA. On the H200 image
+            (torch 2.11 + CUDA 13.0) every CUDA package crashed its process at load; the cause is the image's
+            compiler linking libstdc++ statically into the package (``serving/aoti_linkage.py``). AOTI packages
+            now link the shared libstdc++, and a package that does not is refused at export and at load; that this
+            makes CUDA packages load on that image is not yet measured, so CUDA keeps the fallback by default.
         compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
             the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
     """
@@ -194,9 +196,11 @@ def load(path: str | os.PathLike, *, device: str | None = None, verify: bool = T
 # ---------------------------------------------------------------------------------------------------- helpers
 def _inductor_configs(keep_order: bool) -> dict[str, Any]:
     from .runtime.compilation import inductor_patches
+    from .serving.aoti_linkage import link_options
 
     configs = inductor_patches(cuda_graphs=False, keep_order=keep_order)
     configs["aot_inductor.package_constants_in_so"] = False  # weights: one safetensors file, handed over at load
+    configs.update(link_options())  # one libstdc++ in the loading process (see aoti_linkage)
     return configs
 
 
@@ -222,8 +226,10 @@ def _package_key(ep: torch.export.ExportedProgram, configs: dict[str, Any], devi
 def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: dict[str, Any],
                      device: torch.device) -> None:
     """AOTInductor-compile ``ep`` into ``target``, reusing an identical package compiled before (the prefill
-    program is the same for every method of a model; ``$SPARSECOMPILE_CACHE/aoti``)."""
+    program is the same for every method of a model; ``$SPARSECOMPILE_CACHE/aoti``). A package that would not load
+    in this process (its own static libstdc++) fails here, with the reason, rather than in the serving process."""
     from .models.default_model import cache_dir
+    from .serving.aoti_linkage import check_package
 
     cached = cache_dir() / "aoti" / f"{_package_key(ep, configs, device)}.pt2"
     if not cached.exists():
@@ -231,6 +237,7 @@ def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: di
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
             built = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "package.pt2"),
                                                              inductor_configs=configs)
+            check_package(Path(built))
             os.replace(built, cached)
     shutil.copyfile(cached, target)
 

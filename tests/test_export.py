@@ -66,16 +66,42 @@ def smollm2_cut(smollm2_path, tmp_path_factory) -> Path:
     return out
 
 
+_STATIC_GXX = """#!/bin/sh
+# g++ linking libstdc++ statically into shared objects, as the H200 image's /opt/gcc/bin/g++ does
+case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; *) exec g++ "$@" ;; esac
+"""
+
+
+def _static_libstdcxx_compiler(root: Path) -> str | None:
+    """A compiler wrapper reproducing the host where AOTI packages crashed at load (None without g++ and a static
+    libstdc++ to link)."""
+    if not shutil.which("g++"):
+        return None
+    archive = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(archive):
+        return None
+    wrapper = root / "g++-static-libstdc++"
+    wrapper.write_text(_STATIC_GXX)
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 @pytest.fixture(scope="session")
 def artifacts(smollm2_cut, tmp_path_factory) -> dict[str, Path]:
-    """vanilla through the Python API, snapkv through `sparsecompile export`."""
+    """vanilla through the Python API, snapkv through `sparsecompile export`; both compiled by a g++ that links
+    libstdc++ statically into shared objects (where one exists): packages linked like that crashed at load on the
+    H200 image, and export must still give packages that load (``serving/aoti_linkage.py``)."""
+    import torch._inductor.config as inductor_config
+
     from sparsecompile.cli import main
 
     root = tmp_path_factory.mktemp("artifacts")
-    paths = {"vanilla": sparsecompile.export(str(smollm2_cut), root / "vanilla", "vanilla", **ENGINE)}
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **METHODS["snapkv"]}.items()]
-    assert main(["export", "--model", str(smollm2_cut), "--method", "snapkv", "--out", str(root / "snapkv"),
-                 *flags]) == 0
+    compiler = _static_libstdcxx_compiler(root)
+    with inductor_config.patch({"cpp.cxx": (None, compiler)} if compiler else {}):
+        paths = {"vanilla": sparsecompile.export(str(smollm2_cut), root / "vanilla", "vanilla", **ENGINE)}
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **METHODS["snapkv"]}.items()]
+        assert main(["export", "--model", str(smollm2_cut), "--method", "snapkv", "--out", str(root / "snapkv"),
+                     *flags]) == 0
     paths["snapkv"] = root / "snapkv"
     return paths
 
@@ -102,6 +128,17 @@ def test_a_fresh_process_serves_the_artifact_token_for_token(method, artifacts, 
     assert loaded["chat"] == eager.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     if method == "snapkv":  # the prompts are longer than the budget: the artifact's prefill evicted
         assert max(len(eager.tokenizer(p).input_ids) for p in PROMPTS) > METHODS[method]["budget"]
+
+
+@pytest.mark.slow
+def test_packages_link_the_shared_libstdcxx(artifacts):
+    """Built by a compiler that links libstdc++ statically (the fixture), the wrappers still load the process's
+    shared libstdc++: without that, loading fails (std::bad_cast on this machine, a segfault on the H200 image)."""
+    from sparsecompile.serving.aoti_linkage import wrapper_libraries
+
+    for name in ("prefill.pt2", "decode.pt2"):
+        libraries = wrapper_libraries(artifacts["vanilla"] / name)
+        assert libraries and all("libstdc++.so.6" in needed for needed in libraries.values()), libraries
 
 
 @pytest.mark.slow

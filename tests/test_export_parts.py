@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from method_matrix import DENSE_EQUIVALENT
@@ -144,3 +146,33 @@ def test_a_decode_hook_reading_host_fields_fails_the_export(monkeypatch):
     monkeypatch.setattr(type(runtime), "finish_step", lambda self, manager, step: list(step.row_ids), raising=False)
     with pytest.raises(ExportError, match="read the step's host fields"):
         export_decode(model, decode_state(patched.controller), 3, 4)
+
+
+def test_a_package_carrying_its_own_libstdcxx_is_refused_before_it_loads(tmp_path):
+    """``check_package`` reads the wrappers' ELF dependencies: a library without ``libstdc++.so.6`` (here the C math
+    library, a real ELF file) is refused with the reason; one that needs it (torch's c10) passes."""
+    import ctypes.util
+    import zipfile
+    from pathlib import Path
+
+    from sparsecompile.serving.aoti_linkage import check_package, elf_needed
+    from sparsecompile.serving.manifest import ArtifactError
+
+    c10 = next((Path(torch.__file__).parent / "lib").glob("libc10.so*"), None)
+    libm = ctypes.util.find_library("m")
+    libm_path = next((p for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
+                      if libm and (p := Path(d) / libm).exists()), None)
+    if c10 is None or libm_path is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux ELF libraries (libc10, libm)")
+    assert "libstdc++.so.6" in elf_needed(c10.read_bytes())
+    assert elf_needed(b"not an ELF file") is None
+
+    def package(name: str, library: Path) -> Path:
+        path = tmp_path / f"{name}.pt2"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.write(library, f"{name}/data/aotinductor/model/{name}.wrapper.so")
+        return path
+
+    check_package(package("good", c10))
+    with pytest.raises(ArtifactError, match=r"bad.wrapper.so carries its own static libstdc\+\+"):
+        check_package(package("bad", libm_path))

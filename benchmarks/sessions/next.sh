@@ -12,14 +12,16 @@
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
-#   bash benchmarks/sessions/next.sh export     # #17 export tests of the five methods not re-run after the fix    ~7 min
+#   bash benchmarks/sessions/next.sh export     # #17 AOTI probe with the libstdc++ link fix; export GPU tests     ~8 min
+#   bash benchmarks/sessions/next.sh export_bench  # #17 8B vanilla export / load to first token / decode (FORM=) ~9 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)     ~8 min
 #   bash benchmarks/sessions/next.sh mixed      # #13 item 6: GPU tests of the mixed step and KIVI; burst separate /
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `mixed` again (the final mixed step: every chunk group in the step's forward, not yet run on a GPU), `profile` (#14),
-# `export` (#17), the KIVI largest batch (kivi_bench.py --stage capacity --quick, #20), `verify` as time allows.
+# `export` (#17: does the libstdc++ link fix load AOTI packages on the H200?), `export_bench` (FORM=aoti if it did),
+# `profile` (#14), the KIVI largest batch (kivi_bench.py --stage capacity --quick, #20), `verify` as time allows.
+# (`mixed` ran again 2026-12-01 with the final mixed step: 4 passed.)
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
@@ -96,8 +98,17 @@ profile)
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
-export)
-  timeout -s INT 400 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
-  echo "export rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|export|kivi"; exit 2 ;;
+export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
+  # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
+  timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \
+    --out "$OUT/aoti_probe_fix_h200.jsonl" > "$OUT/aoti_probe_fix_h200.log" 2>&1; echo "probe rc=$?"
+  tail -9 "$OUT/aoti_probe_fix_h200.log"
+  timeout -s INT 250 $P tests/gpu/test_export_cuda.py -k "not vanilla and not exported_form" > "$OUT/gpu_tests_export.log" 2>&1
+  echo "export tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_export.log" | tail -8 ;;
+export_bench)  # #17 8B figures: export (178 s for vanilla, exported form, 2026-12-01), load to first token, decode
+  # vs compiled at 32K x 1; FORM=aoti once the probe loads AOTI packages. The first-token role needs > 50 s.
+  timeout 580 python3 benchmarks/export.py --methods vanilla --form "${FORM:-exported}" --points 32768x1 \
+    --export-timeout 280 --timeout 200 --workdir /tmp/exp --out "$OUT/export_h200.jsonl" > "$OUT/export_h200.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/export_h200.log" | cut -c1-400 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|export|export_bench|kivi"; exit 2 ;;
 esac

@@ -36,6 +36,7 @@ from ..runtime.compilation import wanted
 from ..runtime.controller import SparseController
 from ..runtime.model_info import ModelInfo
 from ..runtime.state_binding import POOL_PREFIXES, StateSlot, decode_state, state_tensors
+from .aoti_linkage import check_package
 from .engine import LLMEngine
 from .manifest import ArtifactError, check, read
 
@@ -67,6 +68,7 @@ class AOTIProgram:
         index = -1
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
+        check_package(path)  # a package with its own libstdc++ would crash this process (aoti_linkage.py)
         # The loader class itself: torch._inductor.aoti_load_package first reads the archive as a general pt2
         # file (seconds on a large package) before building this same loader.
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, index)
