@@ -17,7 +17,9 @@ Modes in the same invocation, on the same model and engine options:
   groups), the engine before chunks were batched;
 * ``capped`` / ``capped_separate``: ``mixed`` / ``separate`` with ``max_prefill_tokens_while_decoding`` =
   ``--while-decoding`` (default 512): steps that decode carry at most that many prompt tokens (the burst's prefill
-  then takes longer: ``burst_s``).
+  then takes longer: ``burst_s``);
+* ``compiled``: ``capped`` with ``compile_prefill`` (the mixed step's forward compiled, attention layers opaque ops:
+  ``models/compiled_forward.py``); one warm-up request before the steady window compiles the mixed step's variant.
 
 Target (issue #13): running streams' p99 during a burst of 64 new 1K-token prompts <= 3x their steady p50.
 Results: ``serving_burst<TAG>.jsonl`` under ``--out``, a table on stdout.
@@ -58,10 +60,11 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
     original = engine_module.pack_chunks
     if mode == "per_chunk":
         engine_module.pack_chunks = lambda chunks, _budget: [[c] for c in chunks]
-    capped = {"max_prefill_tokens_while_decoding": args.while_decoding} if mode.startswith("capped") else {}
-    mixed = mode in ("mixed", "capped")
+    capped = ({"max_prefill_tokens_while_decoding": args.while_decoding}
+              if mode.startswith("capped") or mode == "compiled" else {})
+    mixed = mode in ("mixed", "capped", "compiled")
     llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst, **capped,
-              enable_mixed_chunk=mixed,
+              enable_mixed_chunk=mixed, compile_prefill=mode == "compiled",
               max_num_batched_tokens=args.budget, compile=args.device == "cuda", cuda_graphs=args.device == "cuda",
               cuda_graph_sizes=[args.running],  # only the running streams decode (a burst request stops at 1 token)
               **METHOD_OPTIONS[args.method])
@@ -87,6 +90,10 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
 
         while any(len(t) < 2 for t in times.values()):  # every running stream is decoding
             step()
+        if mode == "compiled":  # compile the mixed step's forward before anything is timed
+            engine.add_request("warm-up", prompt(), SamplingParams(max_tokens=1, temperature=0))
+            while "warm-up" not in {o.request_id for o in step()}:
+                pass
         steady_start = time.perf_counter()
         for _ in range(args.steady_steps):
             step()
@@ -123,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--steady-steps", type=int, default=32)
-    parser.add_argument("--modes", default="separate,mixed,capped,capped_separate",
-                        help="per_chunk, separate, mixed, capped, capped_separate")
+    parser.add_argument("--modes", default="separate,mixed,capped,capped_separate,compiled",
+                        help="per_chunk, separate, mixed, capped, capped_separate, compiled")
     parser.add_argument("--while-decoding", type=int, default=512, help="the capped mode's prompt tokens per step")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tiny", action="store_true")

@@ -133,6 +133,9 @@ class ServingConfig:
     enable_mixed_chunk: bool = option(True, "run a step's decode tokens and all its prompt chunks in one forward (as "
                                             "vLLM batches; SGLang's --enable-mixed-chunk); off: one forward for the "
                                             "decodes, then one per group of chunks of similar lengths")
+    compile_prefill: bool = option(False, "compile the prefill and mixed-step forwards (dynamic token count; each "
+                                          "layer's attention stays the eager method path, one opaque op): less host "
+                                          "time per step, for one compile of the model at the first prompt")
     kv_cache_memory: float | None = option(None, "KV pool size: bytes, or a fraction of the GPU memory free after "
                                                  "loading (default 0.85 on CUDA, 1 GiB on CPU)")
     gpu_memory_utilization: float | None = option(None, "fraction of the GPU's total memory the process may use "
@@ -154,6 +157,9 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
+        for name in ("enable_mixed_chunk", "compile_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise MethodConfigError(f"{name} must be True or False, got {_described(getattr(self, name))}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise MethodConfigError(f"seed must be an integer or None, got {_described(self.seed)}")
         if self.max_idle_chains is not None and (isinstance(self.max_idle_chains, bool)

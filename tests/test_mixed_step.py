@@ -138,3 +138,29 @@ def test_groups_of_different_lengths_share_the_forward(method, options, monkeypa
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
     assert shapes[0] == (0, 2)  # the first step: two groups, nothing decoding yet
     assert any(d > 0 and g > 0 for d, g in shapes)
+
+
+@pytest.mark.slow
+def test_compiled_prefill_forwards_give_the_eager_tokens(monkeypatch):
+    """``compile_prefill``: prefill and mixed-step forwards run compiled (each attention layer one opaque
+    ``sparsecompile::attend``, the method's Python as in eager mode): same tokens as the eager engine, with the
+    compiled forward really taking the steps (SnapKV evicts inside it: its prompts are longer than the budget)."""
+    from sparsecompile.models.compiled_forward import CompiledForward
+
+    method, options = "snapkv", {"budget": 24, "window": 4}  # one compile (~40 s on two cores): the evicting case
+    _, llm = tiny_llm(method, max_num_batched_tokens=64, compile_prefill=True, **options)
+    engine = llm.llm_engine
+    assert isinstance(engine._forward, CompiledForward)
+    ran = []
+    compiled = engine._forward._compiled
+    monkeypatch.setattr(engine._forward, "_compiled", lambda *a: ran.append(a[0].shape) or compiled(*a))
+    record = record_forwards(llm, monkeypatch.setattr)
+    prompts = prompts_of(LENGTHS, seed=7)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _, eager = tiny_llm(method, max_num_batched_tokens=64, **options)
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+    assert "mixed" in record and len(ran) == forwards(record).count("mixed") + forwards(record).count("prefill")
+    assert len({shape[1] for shape in ran}) > 1  # one graph serves every token count (dynamic)
+    stats = engine.stats()
+    assert stats.free_pages == stats.total_pages

@@ -12,6 +12,7 @@
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
+#   bash benchmarks/sessions/next.sh burst_compiled  # #13 burst, capped vs compile_prefill (512, 256)        ~8 min
 #   bash benchmarks/sessions/next.sh export     # #17 AOTI probe with the libstdc++ link fix; export GPU tests     ~8 min
 #   bash benchmarks/sessions/next.sh export_bench  # #17 8B vanilla export / load to first token / decode (FORM=) ~9 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)     ~8 min
@@ -20,6 +21,7 @@
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # `export` (#17: does the libstdc++ link fix load AOTI packages on the H200?), `export_bench` (FORM=aoti if it did),
+# `burst_compiled` (#13: the compiled mixed-step forward against the 3x target),
 # `profile` (#14), the KIVI largest batch (kivi_bench.py --stage capacity --quick, #20), `verify` as time allows.
 # (`mixed` ran again 2026-12-01 with the final mixed step: 4 passed.)
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
@@ -98,6 +100,11 @@ profile)
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
+burst_compiled)  # #13 burst with the mixed step's forward compiled (compile_prefill), 512 and 256 prompt tokens a step
+  timeout -s INT 300 python3 benchmarks/serving_burst.py --modes capped,compiled --while-decoding 512 --out "$OUT" \
+    --tag _h200_compiled512 > "$OUT/burst_c512.log" 2>&1; echo "512 rc=$?"; tail -3 "$OUT/burst_c512.log"
+  timeout -s INT 200 python3 benchmarks/serving_burst.py --modes compiled --while-decoding 256 --out "$OUT" \
+    --tag _h200_compiled256 > "$OUT/burst_c256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_c256.log" ;;
 export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
   # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
   timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \
@@ -110,5 +117,5 @@ export_bench)  # #17 8B figures: export (178 s for vanilla, exported form, 2026-
   timeout 580 python3 benchmarks/export.py --methods vanilla --form "${FORM:-exported}" --points 32768x1 \
     --export-timeout 280 --timeout 200 --workdir /tmp/exp --out "$OUT/export_h200.jsonl" > "$OUT/export_h200.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/export_h200.log" | cut -c1-400 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|export|export_bench|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|kivi"; exit 2 ;;
 esac

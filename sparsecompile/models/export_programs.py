@@ -18,20 +18,16 @@ artifact stores them once. The decode program returns the one position's logits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
 from ..passes.capture import CaptureError, check_capture, count_attention_sites
-from ..runtime.attend_op import OpaqueAttention, attend
+from ..runtime.attend_op import attend
 from ..runtime.state_binding import StateSlot, bound
 from ..runtime.step import StepState
-from .attention import CONTROLLER_ATTR
+from .compiled_forward import opaque_attention
 from .hf_patch import PatchedModel, patched_model
-from .support import attention_modules
 
 #: the attribute of the program modules that holds the HF model: weight names start with ``lm.``
 WEIGHT_PREFIX = "lm."
@@ -83,19 +79,6 @@ class DecodeProgram(nn.Module):
                                    position_ids=positions, logits_to_keep=1)
 
 
-@contextmanager
-def _opaque_attention(model: nn.Module) -> Iterator[None]:
-    modules = [m for _, m in attention_modules(model)]
-    saved = [m.__dict__[CONTROLLER_ATTR] for m in modules]
-    for module in modules:
-        module.__dict__[CONTROLLER_ATTR] = OpaqueAttention()
-    try:
-        yield
-    finally:
-        for module, controller in zip(modules, saved):
-            module.__dict__[CONTROLLER_ATTR] = controller
-
-
 def export_prefill(model: nn.Module, max_tokens: int, max_batch: int) -> ExportedProgram:
     """The prefill program of a patched ``model`` (see module docstring): up to ``max_batch`` rows of 1..``max_tokens``
     tokens (left-padded rows: the padding's positions are ignored by the controller)."""
@@ -109,7 +92,7 @@ def export_prefill(model: nn.Module, max_tokens: int, max_batch: int) -> Exporte
     batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None
     kept = Dim("keep", min=1, max=max(2, max_tokens))
     shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: kept})
-    with _opaque_attention(model), torch.no_grad():
+    with opaque_attention(model), torch.no_grad():
         ep = torch.export.export(PrefillProgram(model, patched), (ids, positions, keep), dynamic_shapes=shapes,
                                  strict=False)
     _check_no_state_constants(ep, "prefill")

@@ -115,6 +115,15 @@ def page_indexed(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def compile_forward(fn: Callable) -> Callable:
+    """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): inductor, dynamic shapes (one graph
+    for every token count), the decode step's guard filter, through a private code object (see
+    :func:`compile_step`). A few variants exist (``logits_to_keep`` an int or a tensor, batch 1 or more):
+    :func:`allow_recompiles` covers them."""
+    allow_recompiles(16)
+    return torch.compile(_private_code(fn), dynamic=True, options={"guard_filter_fn": decode_guard_filter})
+
+
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:
     """Compile a whole-model forward with dynamic shapes (the SDPA-rewrite fallback)."""
     return torch.compile(fn, backend=backend, dynamic=True)

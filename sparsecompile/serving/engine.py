@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..config import ServingConfig
+from ..models.compiled_forward import CompiledForward
 from ..runtime.compilation import allow_recompiles
 from ..runtime.mixed import ChunkGroup
 from .detokenizer import Detokenizer
@@ -119,6 +120,12 @@ class LLMEngine:
             allow_recompiles(2 * len(self.graph_sizes) + 8)
         # one forward per mixed step: needs the patched HF forward (an artifact's programs are traced per phase)
         self._mixes_steps = config.enable_mixed_chunk and isinstance(patched, PatchedServedModel)
+        self._forward = patched.inner  # of prefill and mixed steps (decode steps have their own compiled unit)
+        if config.compile_prefill:
+            if not isinstance(patched, PatchedServedModel):
+                raise ValueError("compile_prefill applies to a model patched by optimize(); an exported artifact "
+                                 "runs its own prefill program")
+            self._forward = CompiledForward(model)
         self.eos_token_ids = patched.eos_token_ids | eos_token_ids(None, tokenizer)
         self.vocab_size = patched.vocab_size
         self._groups: dict[str, RequestGroup] = {}  # by request id
@@ -288,7 +295,7 @@ class LLMEngine:
         sampling pass for the decodes and the prompts that ended."""
         rows, ids, positions = self._decode_inputs(requests, "cpu")  # host tensors: mixed() uploads them
         chunks = [self._group_inputs(group) for group in groups]
-        decode_logits, group_logits = self.controller.mixed(self.patched.inner, rows, ids, positions,
+        decode_logits, group_logits = self.controller.mixed(self._forward, rows, ids, positions,
                                                             [c.forward_args for c in chunks])
         for r in requests:
             self.scheduler.decode_done(r)
@@ -305,7 +312,7 @@ class LLMEngine:
         token sampled each)."""
         chunk = self._group_inputs(group)
         rows, ids, positions, valid, keep, final = chunk.forward_args
-        logits = self.controller.prefill(self.patched.inner, rows, ids.to(self.device, non_blocking=True), None,
+        logits = self.controller.prefill(self._forward, rows, ids.to(self.device, non_blocking=True), None,
                                          positions.to(self.device, non_blocking=True), valid, keep, final=final)
         done = self._group_done(group, chunk, logits)
         if not done:
