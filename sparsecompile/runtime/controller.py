@@ -248,6 +248,7 @@ class SparseController(RowOperations, MixedForward):
                                                    positions[:, start:stop])
             keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
             self._begin(step)
+            step.slot_plan = self.manager.slot_plan(step)
             logits = self._run(inner, step, input_ids=None if input_ids is None else input_ids[:, start:stop],
                                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
                                position_ids=positions[:, start:stop], logits_to_keep=keep)

@@ -57,14 +57,10 @@ class MixedStep:
 
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """``[1, heads, T, D]`` (the layout attention receives) -> per part ``[batch_i, heads, width_i, D]``,
-        contiguous."""
-        out, start = [], 0
-        for part in self.parts:
-            batch, width = part.positions.shape
-            piece = tensor[0, :, start:start + batch * width].unflatten(1, (batch, width)).transpose(0, 1)
-            out.append(piece.contiguous())
-            start += batch * width
-        return out
+        contiguous (one split for all parts: an eager forward pays host time per op, per layer)."""
+        shapes = [tuple(part.positions.shape) for part in self.parts]
+        pieces = tensor[0].split([batch * width for batch, width in shapes], dim=1)
+        return [piece.unflatten(1, shape).transpose(0, 1).contiguous() for piece, shape in zip(pieces, shapes)]
 
     @staticmethod
     def join(outs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -103,6 +99,8 @@ class MixedForward:
         for part in parts:
             self._begin(part)
             mixed.save(part)
+        for part in parts:  # after every part's flush: a later part's may grow the pool
+            part.slot_plan = self.manager.slot_plan(part)
         ids = [g[1].reshape(-1) for g in groups]
         pos = [g[2].reshape(-1) for g in groups]
         if n:

@@ -44,6 +44,9 @@ class StepState:
     #: prefill: per layer, the slot count every row reads when the host vouches the view is dense (all rows equal, no
     #: padding, no empty slot), else -1; attention kernels take a sync-free fast path on it (set by the controller)
     dense_lengths: list[int] | None = None
+    #: eager forwards: every layer's slot mapping, computed once after the step's tables are flushed
+    #: (``SlotAccess.slot_plan``); None in compiled decode steps, which map slots per layer inside their graph
+    slot_plan: Any = None
 
     @property
     def is_last_chunk(self) -> bool:
