@@ -170,6 +170,9 @@ class ServingConfig:
         _positive_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.compile_prefill and self.tensor_parallel_size > 1:  # ranks must run the same forwards' collectives
+            raise MethodConfigError("compile_prefill is not supported with tensor_parallel_size > 1 yet (the worker "
+                                    "ranks run eager forwards); leave it off under tensor parallelism")
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise MethodConfigError("pass kv_cache_memory or gpu_memory_utilization, not both")
         mem = self.kv_cache_memory

@@ -206,3 +206,15 @@ def test_cached_model_id_loads_through_transformers(hub_cache):
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     want = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
     assert out.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"compile_prefill": "yes"}, "compile_prefill must be True or False, got 'yes'"),
+    ({"compile_prefill": True, "tensor_parallel_size": 2}, "compile_prefill is not supported with "
+                                                           "tensor_parallel_size > 1"),
+])
+def test_serving_flags_are_checked(options, match):
+    from sparsecompile.config import ServingConfig
+
+    with pytest.raises(MethodConfigError, match=match):
+        ServingConfig(**options)
