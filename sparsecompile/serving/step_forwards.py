@@ -5,8 +5,9 @@ and their bookkeeping after the forward."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,8 +16,10 @@ from .request_state import LiveSequence
 from .scheduler import PrefillChunk, Request
 
 if TYPE_CHECKING:
+    from ..runtime.cache_manager import CacheManager
     from ..runtime.controller import SparseController
     from .interface import ServedModel
+    from .reuse import KVReuse
     from .scheduler import Scheduler
 
 
@@ -37,11 +40,11 @@ class StepForwards:
     controller: SparseController
     patched: ServedModel
     scheduler: Scheduler
-    manager: Any
-    reuse: Any
+    manager: CacheManager
+    reuse: KVReuse
     device: torch.device
     graph_sizes: list[int]
-    _forward: Any  # prefill / mixed-step forward: the patched inner, or a CompiledForward
+    _forward: Callable[..., torch.Tensor]  # of prefill and mixed steps: the patched inner, or a CompiledForward
     _live: dict[Request, LiveSequence]
     _counters: dict[str, int]
     # and the engine's _sample, _wants_prompt_logprobs, _record_prompt_logprobs
