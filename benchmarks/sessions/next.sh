@@ -104,7 +104,9 @@ burst_compiled)  # #13 burst with the mixed step's forward compiled (compile_pre
   timeout -s INT 300 python3 benchmarks/serving_burst.py --modes capped,compiled --while-decoding 512 --out "$OUT" \
     --tag _h200_compiled512 > "$OUT/burst_c512.log" 2>&1; echo "512 rc=$?"; tail -3 "$OUT/burst_c512.log"
   timeout -s INT 200 python3 benchmarks/serving_burst.py --modes compiled --while-decoding 256 --out "$OUT" \
-    --tag _h200_compiled256 > "$OUT/burst_c256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_c256.log" ;;
+    --tag _h200_compiled256 > "$OUT/burst_c256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_c256.log"
+  for flag in "" --compile-prefill; do  # host time of a mixed step on the GPU host (tiny model: ops, not FLOPs)
+    timeout 150 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200.jsonl" 2>&1 | grep "ops per"; done ;;
 export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
   # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
   timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \
