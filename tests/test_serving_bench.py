@@ -42,3 +42,15 @@ def test_serving_burst_benchmark_smoke(tmp_path):
     assert [r["max_prefill_tokens_while_decoding"] for r in rows] == [None, None, 16]
     assert [r["enable_mixed_chunk"] for r in rows] == [False, True, False]
     assert all(r["burst_p99_ms"] >= r["burst_p50_ms"] > 0 and r["steady_p50_ms"] > 0 for r in rows)
+
+
+def test_step_ops_counts_a_mixed_steps_ops_by_source(tmp_path, capsys):
+    import step_ops
+
+    out = tmp_path / "step_ops.jsonl"
+    assert step_ops.main(["--device", "cpu", "--layers", "2", "--chunk", "16", "--running", "2", "--steps", "2",
+                          "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["ops"] >= sum(row["by_source"].values()) > 0  # by_source: the 12 largest sources
+    assert any(source.startswith("slot_access.py") for source in row["by_source"])  # the attention path ran
+    assert row["mixed_step_ms"] > 0 and "ops per mixed step" in capsys.readouterr().out
