@@ -152,8 +152,8 @@ def test_compiled_prefill_forwards_give_the_eager_tokens(monkeypatch):
     from sparsecompile.models.compiled_forward import CompiledForward
     from sparsecompile.runtime import compilation
 
-    monkeypatch.setattr(compiled_forward, "compile_forward", lambda fn: torch.compile(
-        compilation._private_code(fn), dynamic=True, backend="aot_eager"))
+    monkeypatch.setattr(compiled_forward, "compile_forward",
+                        lambda fn: compilation.compile_forward(fn, backend="aot_eager"))
 
     method, options = "snapkv", {"budget": 24, "window": 4}  # one compile (~40 s on two cores): the evicting case
     _, llm = tiny_llm(method, max_num_batched_tokens=64, compile_prefill=True, **options)

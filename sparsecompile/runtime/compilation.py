@@ -115,13 +115,14 @@ def page_indexed(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def compile_forward(fn: Callable) -> Callable:
-    """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): inductor, dynamic shapes (one graph
-    for every token count), the decode step's guard filter, through a private code object (see
-    :func:`compile_step`). A few variants exist (``logits_to_keep`` an int or a tensor, batch 1 or more):
-    :func:`allow_recompiles` covers them."""
+def compile_forward(fn: Callable, backend: str = "inductor") -> Callable:
+    """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): ``backend`` (inductor; tests may
+    pass ``aot_eager``), dynamic shapes (one graph for every token count), the decode step's guard filter, through a
+    private code object (see :func:`compile_step`). A few variants exist (``logits_to_keep`` an int or a tensor,
+    batch 1 or more): :func:`allow_recompiles` covers them."""
     allow_recompiles(16)
-    return torch.compile(_private_code(fn), dynamic=True, options={"guard_filter_fn": decode_guard_filter})
+    return torch.compile(_private_code(fn), backend=backend, dynamic=True,
+                         options={"guard_filter_fn": decode_guard_filter})
 
 
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:
