@@ -115,7 +115,7 @@ def page_indexed(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def compile_forward(fn: Callable, backend: str = "inductor") -> Callable:
+def compile_forward(fn: Callable, backend: str | Callable = "inductor") -> Callable:
     """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): ``backend`` (inductor; tests may
     pass ``aot_eager``), dynamic shapes (one graph for every token count), the decode step's guard filter, through a
     private code object (see :func:`compile_step`). A few variants exist (``logits_to_keep`` an int or a tensor,
