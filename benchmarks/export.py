@@ -79,6 +79,7 @@ def role_first_token(args) -> dict:
     done = time.perf_counter()
     return {"import_s": round(imported - start, 2), "load_s": round(loaded - imported, 2),
             "first_token_s": round(done - loaded, 3), "load_to_first_token_s": round(done - imported, 2),
+            "load_phases_s": llm.llm_engine.load_timings,
             "token": out[0].outputs[0].token_ids, "buckets_captured": sorted(
                 llm.llm_engine.controller._compiled_decode.graphs)}
 

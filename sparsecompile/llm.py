@@ -17,7 +17,6 @@ from torch import nn
 
 from .config import OPTION_KINDS, ServingConfig, dtype_attribute
 from .methods.registry import fill_text_options
-from .optimize import optimize, split_method_options
 from .serving.engine import LLMEngine
 from .serving.outputs import RequestOutput, SamplingParams
 
@@ -101,6 +100,10 @@ class LLM:
     def __init__(self, model_or_path: nn.Module | str | os.PathLike | None = None, method: str = "vanilla", *,
                  tokenizer=None, device: str | None = None, dtype: torch.dtype | str | None = None,
                  **options: Any) -> None:
+        # optimize (and with it the HF glue) is imported here, not at module level: an LLM over an exported
+        # artifact (from_engine) never needs it, and importing it costs seconds of a load's time
+        from .optimize import optimize, split_method_options
+
         routed = split_method_options(method, options, accepted=OPTION_KINDS)  # refuse bad options before loading
         serving = ServingConfig(**routed["serving"])
         dtype = torch_dtype(dtype)

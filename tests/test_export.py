@@ -46,7 +46,9 @@ outs = llm.generate(spec["prompts"], params, use_tqdm=False)
 chat = llm.chat(spec["chat"], params, use_tqdm=False)
 print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "chat": chat[0].outputs[0].token_ids,
                   "modeling": sorted(m for m in sys.modules if m.startswith("transformers.models.")
-                                     and ".modeling_" in m and not m.endswith(".modeling_auto"))}))
+                                     and ".modeling_" in m and not m.endswith(".modeling_auto")),
+                  "heavy": sorted(m for m in ("sparsecompile.models.hf_patch", "transformers.generation.utils",
+                                              "torch._dynamo") if m in sys.modules)}))
 """
 
 
@@ -122,6 +124,8 @@ def test_a_fresh_process_serves_the_artifact_token_for_token(method, artifacts, 
     loaded = _load_in_fresh_process(artifacts[method])
     # transformers.AutoTokenizer imports the auto-class tables (modeling_auto), never an architecture's code
     assert loaded["modeling"] == [], "loading an artifact imported HF modeling code"
+    # nor the HF glue or dynamo: seconds of imports a load does not need (the programs are compiled already)
+    assert loaded["heavy"] == [], "loading an artifact imported modules it does not need"
     eager = sparsecompile.LLM(str(smollm2_cut), method, **ENGINE, **METHODS[method])
     expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert loaded["tokens"] == expected

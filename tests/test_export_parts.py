@@ -176,3 +176,32 @@ def test_a_package_carrying_its_own_libstdcxx_is_refused_before_it_loads(tmp_pat
     check_package(package("good", c10))
     with pytest.raises(ArtifactError, match=r"bad.wrapper.so carries its own static libstdc\+\+"):
         check_package(package("bad", libm_path))
+
+
+def test_the_weights_reader_gives_safetensors_tensors_at_any_offset(tmp_path):
+    check_weights_reader(tmp_path, "cpu")
+
+
+def check_weights_reader(tmp_path, device: str) -> None:
+    """The artifact's weights reader (chunked reads into one buffer, views per tensor) against safetensors' own
+    loader: mixed dtypes, a 3-element bf16 tensor that leaves the next offsets unaligned, a scalar, an empty tensor,
+    and chunks smaller than a tensor (on CUDA: through the ring of pinned buffers)."""
+    from safetensors.torch import load_file, save_file
+
+    from sparsecompile.serving.weights_file import load_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.odd": torch.randn(3, generator=g).bfloat16(), "b.weight": torch.randn(64, 33, generator=g),
+               "c.ids": torch.arange(17, dtype=torch.int64), "d.scalar": torch.tensor(2.5, dtype=torch.float16),
+               "e.empty": torch.zeros(0, 4), "f.mask": torch.rand(9, generator=g) > 0.5}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    want = load_file(str(tmp_path / "w.safetensors"))
+    got = load_safetensors(tmp_path / "w.safetensors", device, chunk_bytes=1000, threads=2)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert got[name].device.type == device and torch.equal(got[name].cpu(), tensor), name
+        assert got[name].data_ptr() % 16 == 0 or got[name].numel() == 0, name
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "w.safetensors").read_bytes()[:-8])
+    with pytest.raises(ValueError, match="truncated"):
+        load_safetensors(tmp_path / "cut.safetensors", device)

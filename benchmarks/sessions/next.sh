@@ -119,5 +119,12 @@ export_bench)  # #17 8B figures: export (178 s for vanilla, exported form, 2026-
   timeout 580 python3 benchmarks/export.py --methods vanilla --form "${FORM:-exported}" --points 32768x1 \
     --export-timeout 280 --timeout 200 --workdir /tmp/exp --out "$OUT/export_h200.jsonl" > "$OUT/export_h200.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/export_h200.log" | cut -c1-400 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|kivi"; exit 2 ;;
+export_load)  # #17 after the load-time work (lazy imports, pinned chunked weights): 8B vanilla export + load phases,
+  # then the fp32 token-equality GPU tests of two methods and the weights reader (~9.5 min)
+  timeout 300 python3 benchmarks/export.py --methods vanilla --form aoti --stages export,first-token --points 32768x1 \
+    --export-timeout 285 --timeout 60 --workdir /tmp/exp --out "$OUT/export_h200_load.jsonl" > "$OUT/export_load.log" 2>&1
+  echo "rc=$?"; grep -v "^method\|^$" "$OUT/export_load.log" | tail -3 | cut -c1-700
+  timeout -s INT 270 $P tests/gpu/test_export_cuda.py -k "weights_reader or h2o or quest" > "$OUT/gpu_tests_export.log" 2>&1
+  echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests_export.log" | tail -8 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|export_load|kivi"; exit 2 ;;
 esac

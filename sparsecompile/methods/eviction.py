@@ -26,6 +26,7 @@ import torch
 
 from ..config import MethodConfig, MethodConfigError, option
 from ..kernels import gather_slots
+from ..runtime.compilation import static_address
 from ..runtime.contract import SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import MemoryOracle
@@ -241,7 +242,7 @@ class EvictionRuntime(SparseMethod):
             limits = torch.zeros(n, 2, dtype=torch.int64, device=manager.layout.device)
             if self._limits is not None:
                 limits[: self._limits.shape[0]] = self._limits
-            torch._dynamo.mark_static_address(limits)
+            static_address(limits)
             self._limits = limits
 
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..runtime.compilation import static_address
+
 if TYPE_CHECKING:
     from ..runtime.cache_manager import CacheManager
     from ..runtime.contract import LayerContext
@@ -28,7 +30,7 @@ def grow_rows(buffer: torch.Tensor | None, rows: int, shape: tuple[int, ...], dt
     fresh = torch.full((rows, *shape), fill, dtype=dtype, device=device)
     if buffer is not None and tuple(buffer.shape[1:]) == shape:
         fresh[: buffer.shape[0]] = buffer
-    torch._dynamo.mark_static_address(fresh)
+    static_address(fresh)
     return fresh
 
 

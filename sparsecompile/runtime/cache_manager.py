@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .allocator import BlockAllocator, OutOfPages
-from .compilation import page_indexed
+from .compilation import mark_for_compile, page_indexed, static_address
 from .host import to_device
 from .kivi import KiviStorage
 from .layout import KVLayout
@@ -76,7 +76,7 @@ class CacheManager(SharedPages, SlotAccess):
         # indexing turns a 0-d integer tensor into a Python int (a data-dependent value under compile).
         self._layer_keys = [torch.full((1,), layer, dtype=torch.long, device=layout.device) for layer in range(L)]
         for key in self._layer_keys:
-            torch._dynamo.mark_static_address(key)
+            static_address(key)
 
     @property
     def num_pages(self) -> int:
@@ -138,9 +138,8 @@ class CacheManager(SharedPages, SlotAccess):
         for t in (self.k_pool, self.v_pool, self.pos_pool):
             if t is not None:
                 page_indexed(t)
-        for t in (self.block_table, self.lengths):
-            torch._dynamo.mark_static_address(t)
-        torch._dynamo.maybe_mark_dynamic(self.block_table, 2)  # the table widens with the longest sequence
+        static_address(self.lengths)
+        mark_for_compile(self.block_table, dynamic_dims=(2,))  # the table widens with the longest sequence
 
     def grow(self, num_pages: int, max_seqs: int, max_pages_per_seq: int) -> None:
         """Enlarge the pool, the row count and the block-table width, keeping every live sequence.

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -66,6 +67,7 @@ def compile_step(fn: Callable, backend: Callable) -> Callable:
     process (a server swapping models, a benchmark with one ``LLM`` per method, a test session) would otherwise
     pile its graphs onto the one ``_decode_eager`` and the next engine's first compile would fail the limit.
     """
+    apply_deferred_marks()
     return torch.compile(_private_code(fn), backend=backend, fullgraph=True, dynamic=False,
                          options={"guard_filter_fn": decode_guard_filter})
 
@@ -110,9 +112,49 @@ def page_indexed(t: torch.Tensor) -> torch.Tensor:
     size, and with that size specialized each growth recompiled the decode step (26-46 s on the 8B shape on the
     H200, inside the timed 128K + 256-token ``generate()`` of ``benchmarks/prefill.py --e2e`` after a 4K warm-up).
     ``maybe_``: a graph that does need a concrete size specializes instead of failing to compile."""
-    torch._dynamo.mark_static_address(t)
-    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return mark_for_compile(t, dynamic_dims=(0,))
+
+
+def static_address(t: torch.Tensor) -> torch.Tensor:
+    """Marks a persistent buffer that compiled steps read and mutate in place (its address is part of a CUDA
+    graph, so dynamo need not guard on it); returns it."""
+    return mark_for_compile(t)
+
+
+_DEFERRED: list[tuple[weakref.ref, tuple[int, ...]]] = []
+
+
+def mark_for_compile(t: torch.Tensor, dynamic_dims: tuple[int, ...] = ()) -> torch.Tensor:
+    """``torch._dynamo.mark_static_address(t)`` and ``maybe_mark_dynamic(t, d)`` for each of ``dynamic_dims``.
+
+    Deferred while nothing has imported ``torch._dynamo`` (1-3 s of import, which an exported artifact's load, whose
+    programs are already compiled, never needs): the compile entry points here apply the deferred marks first
+    (:func:`apply_deferred_marks`)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        if len(_DEFERRED) > 1024:  # tensors freed meanwhile (pool growth, resized buffers)
+            _DEFERRED[:] = [entry for entry in _DEFERRED if entry[0]() is not None]
+        _DEFERRED.append((weakref.ref(t), tuple(dynamic_dims)))
+    else:
+        _mark(dynamo, t, dynamic_dims)
     return t
+
+
+def _mark(dynamo, t: torch.Tensor, dynamic_dims: tuple[int, ...]) -> None:
+    dynamo.mark_static_address(t)
+    for dim in dynamic_dims:
+        dynamo.maybe_mark_dynamic(t, dim)
+
+
+def apply_deferred_marks() -> None:
+    """Apply the marks :func:`mark_for_compile` deferred (every path to ``torch.compile`` calls this first)."""
+    import torch._dynamo as dynamo
+
+    while _DEFERRED:
+        ref, dims = _DEFERRED.pop()
+        tensor = ref()
+        if tensor is not None:
+            _mark(dynamo, tensor, dims)
 
 
 def compile_forward(fn: Callable, backend: str | Callable = "inductor") -> Callable:
@@ -121,12 +163,14 @@ def compile_forward(fn: Callable, backend: str | Callable = "inductor") -> Calla
     private code object (see :func:`compile_step`). A few variants exist (``logits_to_keep`` an int or a tensor,
     batch 1 or more): :func:`allow_recompiles` covers them."""
     allow_recompiles(16)
+    apply_deferred_marks()
     return torch.compile(_private_code(fn), backend=backend, dynamic=True,
                          options={"guard_filter_fn": decode_guard_filter})
 
 
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:
     """Compile a whole-model forward with dynamic shapes (the SDPA-rewrite fallback)."""
+    apply_deferred_marks()
     return torch.compile(fn, backend=backend, dynamic=True)
 
 

@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..kernels import paged_attention, paged_attention_lse, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
-from .compilation import compile_notice, compile_step
+from .compilation import compile_notice, compile_step, static_address
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .mixed import MixedForward, MixedStep
 from .row_ops import RowOperations, capacity_bucket
@@ -47,6 +47,7 @@ class SparseController(RowOperations, MixedForward):
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
         self._compiled_shapes: set[tuple[int, int]] = set()  # (batch, max_seqs) compiled so far (pages: dynamic dims)
+        self._step_compiles = False  # the decode unit compiles at a new shape (an installed program does not)
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
         self._pad_manager: CacheManager | None = None
@@ -328,7 +329,7 @@ class SparseController(RowOperations, MixedForward):
         self._begin(step)
         if self._compiled_decode is None:
             logits = self._decode_eager(inner, step, input_ids, step.positions)
-        elif (key := (len(rows), self.manager.max_seqs)) not in self._compiled_shapes:  # pages: dynamic
+        elif self._step_compiles and (key := (len(rows), self.manager.max_seqs)) not in self._compiled_shapes:
             with compile_notice(f"the decode step for batch {len(rows)}"):
                 logits = self._compiled_decode(inner, step, input_ids, step.positions)
             self._compiled_shapes.add(key)
@@ -339,7 +340,13 @@ class SparseController(RowOperations, MixedForward):
 
     @property
     def compiles_decode(self) -> bool:
+        """Decode steps run as one unit (compiled, or an installed program) at padded batch sizes."""
         return self._compiled_decode is not None
+
+    @property
+    def decode_step_compiles(self) -> bool:
+        """The decode unit is compiled here, once per batch size (an installed program is not)."""
+        return self._step_compiles
 
     def _padding_row(self) -> int:
         """A live row that never holds a slot: the batch padding of decode steps reads it (length 0)."""
@@ -363,7 +370,7 @@ class SparseController(RowOperations, MixedForward):
                                    torch.zeros(batch, 1, dtype=torch.long), is_prefill=False, is_last_chunk=False,
                                    device=self.layout.device)
             for t in (step.rows, step.positions, step.new_offsets, step.num_new):
-                torch._dynamo.mark_static_address(t)
+                static_address(t)
             self._decode_steps[batch] = step
         elif step.row_ids != rows:
             step.row_ids = list(rows)
@@ -399,6 +406,7 @@ class SparseController(RowOperations, MixedForward):
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
         self.decode_backend = backend
         self._compiled_decode = compile_step(self._decode_eager, backend)
+        self._step_compiles = True
 
 
 def _tensor_meta(tensor: torch.Tensor) -> tuple:

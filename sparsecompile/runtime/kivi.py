@@ -42,7 +42,7 @@ import torch
 
 from ..kernels.kivi_attention import kivi_decode_attention
 from ..kernels.kivi_quant import kivi_dequantize, kivi_quantize
-from .compilation import page_indexed
+from .compilation import page_indexed, static_address
 from .host import to_device
 from .view import AttentionView
 
@@ -143,7 +143,7 @@ class KiviStorage:
         self.ring_k = torch.zeros(rows, H, s.ring, D, dtype=lay.dtype, device=dev)
         self.ring_v = torch.zeros(rows, H, s.ring, D, dtype=lay.dtype, device=dev)
         for ring in (self.ring_k, self.ring_v):  # indexed by row, not page: their size changes with max_seqs only
-            torch._dynamo.mark_static_address(ring)
+            static_address(ring)
 
     def page_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.kcode, self.vcode, self.kscale, self.kzero, self.vscale, self.vzero)

@@ -23,6 +23,7 @@ cache (``torch.compiler`` cache artifacts) that makes that compile warm.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,14 @@ import torch
 from ..config import EngineConfig, ServingConfig
 from ..methods import build_runtime
 from ..runtime.attend_op import serving
-from ..runtime.compilation import wanted
+from ..runtime.compilation import apply_deferred_marks, wanted
 from ..runtime.controller import SparseController
 from ..runtime.model_info import ModelInfo
 from ..runtime.state_binding import POOL_PREFIXES, StateSlot, decode_state, state_tensors
 from .aoti_linkage import check_package
 from .engine import LLMEngine
 from .manifest import ArtifactError, check, read
+from .weights_file import load_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,8 @@ LOAD_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "max_num_batched_to
 
 def load_weights(root: Path, manifest: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     """Every program weight by name, on ``device`` (tied names share one tensor)."""
-    from safetensors.torch import load_file
-
     spec = manifest["weights"]
-    stored = load_file(str(root / spec["file"]), device=str(device))
+    stored = load_safetensors(root / spec["file"], device)
     for alias, name in spec.get("aliases", {}).items():
         stored[alias] = stored[name]
     return stored
@@ -106,6 +106,8 @@ class ExportedProgramRunner:
             ep.state_dict[name] = (torch.nn.Parameter(tensor, requires_grad=False)
                                    if isinstance(placeholder, torch.nn.Parameter) else tensor)
         module = ep.module()
+        if compile is not None:
+            apply_deferred_marks()
         self.fn = module if compile is None else torch.compile(module, fullgraph=True, options=compile)
         self.leading = leading
         self.dynamic = list(dynamic or [])
@@ -261,6 +263,23 @@ def _serving_config(manifest: dict[str, Any], overrides: dict[str, Any]) -> Serv
     return ServingConfig(**values)
 
 
+class _PhaseTimer:
+    """Seconds per phase of a load (``engine.load_timings``); on CUDA a phase ends with a synchronize, so its
+    copies and kernels count in the phase that issued them."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._last, 3)
+        self._last = now
+
+
 def load_engine(path: str | Path, *, device: str | torch.device | None = None, verify: bool = True,
                 **options: Any) -> LLMEngine:
     """An :class:`LLMEngine` over the artifact in ``path`` (see module docstring).
@@ -268,8 +287,10 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     ``options``: serving / engine options that do not change the programs (``kv_cache_memory``,
     ``gpu_memory_utilization``, ``num_pages``, ``max_num_batched_tokens``, ``cuda_graph_sizes``, ``model_name``,
     ``show_progress``); ``max_num_seqs`` and ``max_model_len`` must equal the exported ones. ``verify=False``
-    skips hashing the artifact's files (the version and GPU checks still run).
+    skips hashing the artifact's files (the version and GPU checks still run). ``engine.load_timings``: seconds
+    per phase (checks, kv_core, weights, prefill_program, decode_program, tokenizer, engine, cuda_graphs).
     """
+    timer = _PhaseTimer()
     root = Path(path)
     manifest = read(root)
     unknown = sorted(set(options) - set(LOAD_OPTIONS) - set(FIXED_SERVING))
@@ -279,7 +300,9 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     device = torch.device(device or manifest["device"]["type"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    timer.device = device
     check(manifest, root, device, verify_files=verify)
+    timer.done("checks")
     info_spec = manifest["model"]["info"]
     info = ModelInfo(**{**info_spec, "attention_paths": tuple(info_spec["attention_paths"])})
     runtime = build_runtime(manifest["method"]["name"], manifest["method"]["options"], info)
@@ -289,19 +312,29 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     dtype = getattr(torch, manifest["model"]["dtype"])
     controller = SparseController(runtime, info.num_layers, info.num_kv_heads, info.head_dim, dtype, device,
                                   engine_config)
+    timer.done("kv_core")
     weights = load_weights(root, manifest, device)
+    timer.done("weights")
     prefill = open_program(root, manifest, "prefill", device, weights)
+    timer.done("prefill_program")
     decode = ArtifactDecode(open_program(root, manifest, "decode", device, weights, single_threaded=True),
                             controller, manifest["programs"]["decode"]["state"])
     controller.install_decode_step(decode)
+    timer.done("decode_program")
     from transformers import AutoTokenizer  # tokenizers only: no modeling code
 
     tokenizer = AutoTokenizer.from_pretrained(str(root / manifest["tokenizer"]), local_files_only=True)
+    timer.done("tokenizer")
     engine = LLMEngine(ArtifactModel(controller, prefill, manifest), tokenizer,
                        _serving_config(manifest, {k: v for k, v in options.items() if k not in ("num_pages",
                                                                                                 "show_progress")}))
     decode.bind_state()
+    timer.done("engine")
     if device.type == "cuda" and wanted(manifest["engine"].get("cuda_graphs", "auto"), device):
         decode.capture(engine.graph_sizes)
+        timer.done("cuda_graphs")
+    engine.load_timings = timer.seconds
+    log.info("loaded %s in %.1f s (%s)", root, sum(timer.seconds.values()),
+             ", ".join(f"{k} {v:.2f} s" for k, v in timer.seconds.items()))
     engine.artifact_manifest = manifest
     return engine

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from ..config import ServingConfig
-from ..models.compiled_forward import CompiledForward
 from ..runtime.compilation import allow_recompiles
 from .detokenizer import Detokenizer
 from .interface import ServedModel
@@ -106,7 +105,7 @@ class LLMEngine(StepForwards):
         self.pruner = Pruner(self)
         sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
-        if c.compiles_decode:
+        if c.decode_step_compiles:
             allow_recompiles(2 * len(self.graph_sizes) + 8)
         # one forward per mixed step: needs the patched HF forward (an artifact's programs are traced per phase)
         self._mixes_steps = config.enable_mixed_chunk and isinstance(patched, PatchedServedModel)
@@ -115,6 +114,8 @@ class LLMEngine(StepForwards):
             if not isinstance(patched, PatchedServedModel):
                 raise ValueError("compile_prefill applies to a model patched by optimize(); an exported artifact "
                                  "runs its own prefill program")
+            from ..models.compiled_forward import CompiledForward  # imports the HF glue: not for artifacts
+
             self._forward = CompiledForward(model)
         self.eos_token_ids = patched.eos_token_ids | eos_token_ids(None, tokenizer)
         self.vocab_size = patched.vocab_size

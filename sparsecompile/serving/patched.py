@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..models.hf_patch import patched_model
 from ..models.support import UnsupportedModelError
 
 
@@ -13,6 +12,10 @@ class PatchedServedModel:
     """A patched HF model seen as a :class:`ServedModel`: its controller and inner (patched) forward."""
 
     def __init__(self, model: nn.Module) -> None:
+        # the HF glue (transformers' generation and masking modules: seconds to import) only when a model is
+        # served; an exported artifact's engine never imports it
+        from ..models.hf_patch import patched_model
+
         try:
             patched = patched_model(model)
         except ValueError as err:

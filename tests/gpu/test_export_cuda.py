@@ -92,6 +92,12 @@ def test_a_fresh_process_serves_the_8b_shape_artifact_token_for_token(method, mo
     assert loaded["tokens"] == expected
 
 
+def test_the_weights_reader_through_pinned_buffers(tmp_path):
+    from test_export_parts import check_weights_reader
+
+    check_weights_reader(tmp_path, "cuda")
+
+
 def test_the_exported_form_serves_without_aoti(model_and_tokenizer, tmp_path):
     """The fallback form: torch.export programs; the decode program compiled at load, warm from the shipped cache
     artifacts (no inductor compile misses), and replayed from CUDA graphs."""
