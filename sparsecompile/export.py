@@ -173,6 +173,7 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
         "weights": weights,
         "buckets": engine.graph_sizes,
         "tokenizer": "tokenizer",
+        "tokenizer_class": f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}",
         "files": hash_files(out, files),
     }
     write(out, manifest)

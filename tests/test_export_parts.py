@@ -205,3 +205,16 @@ def check_weights_reader(tmp_path, device: str) -> None:
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "w.safetensors").read_bytes()[:-8])
     with pytest.raises(ValueError, match="truncated"):
         load_safetensors(tmp_path / "cut.safetensors", device)
+
+
+@pytest.mark.parametrize("class_path", ["transformers.tokenization_utils_tokenizers:TokenizersBackend", None,
+                                        "transformers.no_such_module:Tok", "json:JSONDecoder"])
+def test_the_artifact_tokenizer_loads_through_its_recorded_class_or_autotokenizer(class_path, tmp_path):
+    from tiny_models import word_tokenizer
+
+    from sparsecompile.serving.artifact import load_tokenizer
+
+    word_tokenizer(64).save_pretrained(str(tmp_path))
+    tokenizer = load_tokenizer(tmp_path, class_path)  # a module outside transformers is never imported by name
+    assert type(tokenizer).__name__ == "TokenizersBackend"
+    assert tokenizer("t1 t2 t5").input_ids == [1, 2, 5]

@@ -12,6 +12,8 @@
     engine, serving             EngineConfig / ServingConfig fields the artifact was built for
     programs                    {"prefill": {...}, "decode": {...}}: file, inputs, state slot names, batch range
     weights                     {"file", "aliases"}: one safetensors file; aliases map tied names to stored ones
+    tokenizer, tokenizer_class  the tokenizer's directory, and its class as "module:name" (loaded directly:
+                                ``transformers.AutoTokenizer`` imports far more than a tokenizer needs)
     buckets                     decode batch sizes captured as CUDA graphs at load
     files                       {relative path: sha256} of every package, program, config and tokenizer file
     fingerprint                 sha256 over ``files``, the weights file's safetensors header and the config sections
@@ -87,6 +89,8 @@ def fingerprint(manifest: dict[str, Any], root: Path) -> str:
         digest.update(f"{name}\0{sha}\n".encode())
     digest.update(safetensors_header_digest(root / manifest["weights"]["file"]).encode())
     sections = {key: manifest.get(key) for key in _FINGERPRINTED}
+    if "tokenizer_class" in manifest:  # absent from artifacts exported before it was recorded (their hash stays)
+        sections["tokenizer_class"] = manifest["tokenizer_class"]
     digest.update(json.dumps(sections, sort_keys=True, default=str).encode())
     return digest.hexdigest()
 

@@ -58,7 +58,8 @@ def _fill_cuda(fd: int, flat: torch.Tensor, start: int, chunk: int, depth: int, 
     """Read the data section into ``flat`` through ``depth`` pinned buffers of ``chunk`` bytes (see module doc)."""
     total = flat.numel()
     spans = [(o, min(chunk, total - o)) for o in range(0, total, chunk)]
-    buffers = [torch.empty(min(chunk, total), dtype=torch.uint8, pin_memory=True) for _ in range(min(depth, len(spans)))]
+    size = min(chunk, total)
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(depth, len(spans)))]
     views = [memoryview(b.numpy()) for b in buffers]
     copied: list[torch.cuda.Event | None] = [None] * len(buffers)
     stream = torch.cuda.Stream(flat.device)
