@@ -132,16 +132,24 @@ def role_tokens(args) -> dict:
 
     prompts = [torch.randint(3, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (300, 1000, 2500)]
-    params = sparsecompile.SamplingParams(temperature=0, max_tokens=32)
+    params = sparsecompile.SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     artifact = sparsecompile.load(args.dir)
     got = [o.outputs[0].token_ids for o in artifact.generate(prompts, params, use_tqdm=False)]
     del artifact
     torch.cuda.empty_cache()
     llm = sparsecompile.LLM(_model(args.layers), args.method, tokenizer=_tokenizer(), max_num_seqs=MAX_NUM_SEQS,
                             max_model_len=args.max_model_len, **METHOD_OPTIONS[args.method])
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.token_ids for o in outs]
     same = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
-    return {"equal": got == want, "first_difference": same, "tokens": len(want[0])}
+    # at each first difference, the compiled engine's gap between its two likeliest tokens (nats): a near tie
+    # (random weights give nearly flat logits) flips under a different bf16 summation order
+    gaps = []
+    for out, index in zip(outs, same):
+        ranked = out.logprobs[index].values() if index < len(out.token_ids) else []
+        top = sorted((p.logprob for p in ranked), reverse=True)
+        gaps.append(round(top[0] - top[1], 5) if len(top) > 1 else None)
+    return {"equal": got == want, "first_difference": same, "top2_gap_at_difference": gaps, "tokens": len(want[0])}
 
 
 ROLES = {"export": role_export, "first-token": role_first_token, "decode-artifact": role_decode_artifact,

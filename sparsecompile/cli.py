@@ -159,10 +159,9 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
                                            "programs, weights, tokenizer, manifest) for `serve --artifact`")
     _add_model(export, methods)
     export.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
-    export.add_argument("--form", default=None, choices=["aoti", "exported"],
-                        help="aoti: AOTInductor packages; exported: torch.export programs plus the decode step's "
-                             "compile cache (default: aoti on CPU, exported on CUDA, where AOTI packages do not load "
-                             "on the H200 image)")
+    export.add_argument("--form", default="aoti", choices=["aoti", "exported"],
+                        help="aoti: AOTInductor packages (default); exported: torch.export programs plus the decode "
+                             "step's compile cache, for hosts where AOTI packages do not load")
     export.add_argument("--no-compile-cache", action="store_true",
                         help="with --form exported: ship no compile cache (the loader then runs the programs eagerly)")
     exported = export.add_argument_group("serving options fixed in the artifact (max_num_seqs, max_model_len, "

@@ -55,7 +55,7 @@ EXAMPLE_PAGES = 97
 
 
 def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLike, method: str = "vanilla", *,
-           tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str | None = None,
+           tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str = "aoti",
            compile_cache: bool = True, **options: Any) -> Path:
     """Export ``model`` with ``method`` into the artifact directory ``out_dir``; returns its path.
 
@@ -65,12 +65,11 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
         method, options: as for :class:`sparsecompile.LLM`: method options, engine options and serving options.
             ``max_num_seqs`` and ``max_model_len`` are fixed in the artifact (the decode program's tables have
             their shapes); the KV memory is chosen at load.
-        form: ``"aoti"`` (AOTInductor packages) or ``"exported"`` (torch.export programs: the fallback for hosts
-            where AOTI packages do not load). Default: ``"aoti"`` on CPU, ``"exported"`` on CUDA. On the H200 image
-            (torch 2.11 + CUDA 13.0) every CUDA package crashed its process at load; the cause is the image's
-            compiler linking libstdc++ statically into the package (``serving/aoti_linkage.py``). AOTI packages
-            now link the shared libstdc++, and a package that does not is refused at export and at load; that this
-            makes CUDA packages load on that image is not yet measured, so CUDA keeps the fallback by default.
+        form: ``"aoti"`` (AOTInductor packages, the default) or ``"exported"`` (torch.export programs: the fallback
+            for hosts where AOTI packages do not load). On the H200 image (torch 2.11 + CUDA 13.0) every CUDA
+            package crashed its process at load until packages linked the shared libstdc++ (the image's compiler
+            links it statically: ``serving/aoti_linkage.py``); they load there now, and a package that does not
+            link it is refused at export and at load.
         compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
             the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
     """
@@ -89,8 +88,6 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
         model, loaded = load_model(given, dtype=dtype, device=device)
         tokenizer = tokenizer or loaded
         name = serving.model_name or (str(given) if given is not None else resolve_model_path(None).name)
-    if form is None:
-        form = "exported" if next(model.parameters()).device.type == "cuda" else "aoti"
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},

@@ -20,10 +20,11 @@
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `export` (#17: does the libstdc++ link fix load AOTI packages on the H200?), `export_bench` (FORM=aoti if it did),
+# #17: `export_point` (METHOD=snapkv: export time, load phases after the tokenizer change, 128K x 4 decode), then
+# `export_tests` with K="quest or h2o" (AOTI fp32 equality; h2o passed in the exported form 2026-12-01);
 # `burst_compiled` (#13: the compiled mixed-step forward against the 3x target),
 # `profile` (#14), the KIVI largest batch (kivi_bench.py --stage capacity --quick, #20), `verify` as time allows.
-# (`mixed` ran again 2026-12-01 with the final mixed step: 4 passed.)
+# (Ran 2026-12-01 evening: `export` (AOTI loads with the libstdc++ fix), `export_bench` FORM=aoti, `export_load`.)
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
@@ -126,5 +127,14 @@ export_load)  # #17 after the load-time work (lazy imports, pinned chunked weigh
   echo "rc=$?"; grep -v "^method\|^$" "$OUT/export_load.log" | tail -3 | cut -c1-700
   timeout -s INT 270 $P tests/gpu/test_export_cuda.py -k "weights_reader or h2o or quest" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests_export.log" | tail -8 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|export_load|kivi"; exit 2 ;;
+export_tests)  # #17 fp32 token equality of AOTI artifacts (default form since 2026-12-01) in groups: K="quest or h2o"
+  # then K="vanilla or snapkv or pyramidkv", K="streamingllm or omnikv or exported_form" (~250 s for the first method)
+  timeout -s INT 560 $P tests/gpu/test_export_cuda.py -k "${K:-quest or h2o}" > "$OUT/gpu_tests_export.log" 2>&1
+  echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests_export.log" | tail -10 ;;
+export_point)  # #17 one method end to end: export, load phases (tokenizer by its class), decode vs compiled at
+  # POINTS, tokens with the top-2 gap at the first difference. METHOD=snapkv|quest|vanilla, POINTS=131072x4 (~8 min)
+  timeout 580 python3 benchmarks/export.py --methods "${METHOD:-snapkv}" --form aoti --points "${POINTS:-131072x4}" \
+    --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
+    > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
 esac

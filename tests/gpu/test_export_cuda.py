@@ -5,7 +5,8 @@ replays captured at load.
 The model is the 8B shape cut to 2 layers and kept in fp32 so that greedy ties cannot flip between the eager
 engine and the inductor-lowered programs (bf16 speed and full depth: ``benchmarks/export.py``). Methods whose
 decode program is the same (snapkv, pyramidkv and vanilla only append) reuse one compiled package; expect about
-six AOTInductor compiles, some 5 minutes in all.
+six AOTInductor compiles. On a fresh H200 the first method took 253 s (2026-12-01, then in the exported form):
+run the file in groups (``-k``) of at most two or three methods per 10-minute call, as ``next.sh`` does.
 """
 
 from __future__ import annotations
