@@ -184,8 +184,9 @@ def test_the_weights_reader_gives_safetensors_tensors_at_any_offset(tmp_path):
 
 def check_weights_reader(tmp_path, device: str) -> None:
     """The artifact's weights reader (chunked reads into one buffer, views per tensor) against safetensors' own
-    loader: mixed dtypes, a 3-element bf16 tensor that leaves the next offsets unaligned, a scalar, an empty tensor,
-    and chunks smaller than a tensor (on CUDA: through the ring of pinned buffers)."""
+    loader: mixed dtypes, sizes that leave later offsets off 16-byte alignment (17 int64s, 3 bf16s: those tensors
+    get their own copy, aligned ones stay views of the one buffer), a scalar, an empty tensor, and chunks smaller
+    than a tensor (on CUDA: through the ring of pinned buffers)."""
     from safetensors.torch import load_file, save_file
 
     from sparsecompile.serving.weights_file import load_safetensors
@@ -202,6 +203,9 @@ def check_weights_reader(tmp_path, device: str) -> None:
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
         assert got[name].device.type == device and torch.equal(got[name].cpu(), tensor), name
         assert got[name].data_ptr() % 16 == 0 or got[name].numel() == 0, name
+    storage = {name: t.untyped_storage().data_ptr() for name, t in got.items()}
+    assert storage["c.ids"] == storage["f.mask"]  # offsets 0 and 8592: views of the one buffer
+    assert storage["b.weight"] != storage["c.ids"]  # offset 136: a copy of its own
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "w.safetensors").read_bytes()[:-8])
     with pytest.raises(ValueError, match="truncated"):
         load_safetensors(tmp_path / "cut.safetensors", device)
