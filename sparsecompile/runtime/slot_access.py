@@ -41,6 +41,14 @@ class SlotPlan:
     view_lengths: torch.Tensor
 
 
+def table_slots(table: torch.Tensor, local: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Row-local slots ``local [..., n]`` -> global slot ids through ``table [..., max_pages]`` (the same leading
+    dims; -1 stays -1)."""
+    safe = local.clamp(min=0)
+    pages = torch.gather(table, -1, safe // page_size).long()
+    return torch.where(local >= 0, pages * page_size + safe % page_size, torch.full_like(local, -1))
+
+
 class SlotAccess:
     """Device-side slot operations over the pool that :class:`~.cache_manager.CacheManager` allocates."""
 
@@ -69,13 +77,9 @@ class SlotAccess:
     # ------------------------------------------------------------------ device side (traceable)
     def global_slots(self, layer: int, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1)."""
-        P = self.layout.page_size
         table = self.block_table[rows, self.layer_key(layer)]  # [batch, max_pages]
         flat = local.reshape(local.shape[0], -1)
-        safe = flat.clamp(min=0)
-        pages = torch.gather(table, 1, safe // P).long()
-        slots = torch.where(flat >= 0, pages * P + safe % P, torch.full_like(flat, -1))
-        return slots.reshape(local.shape)
+        return table_slots(table, flat, self.layout.page_size).reshape(local.shape)
 
     def slot_plan(self, step: StepState) -> SlotPlan | None:
         """Every layer's write slots, tables and lengths for ``step``'s rows in one go (a dozen ops per forward
@@ -84,15 +88,12 @@ class SlotAccess:
         with a storage format (KIVI maps its own slots)."""
         if self.storage is not None:
             return None
-        P = self.layout.page_size
         tables = self.block_table[step.rows]  # [batch, layers, max_pages]
         lengths = self.lengths[step.rows]  # [batch, layers]
         offsets = step.new_offsets[:, None, :]
         used = lengths.long() - step.num_new[:, None]
         local = torch.where(offsets >= 0, used[..., None] + offsets, offsets)  # [batch, layers, tokens]
-        safe = local.clamp(min=0)
-        pages = torch.gather(tables, 2, safe // P).long()
-        slots = torch.where(local >= 0, pages * P + safe % P, -1)
+        slots = table_slots(tables, local, self.layout.page_size)
         tables, lengths = tables.transpose(0, 1).contiguous(), lengths.t().contiguous()
         heads = self.layout.num_kv_heads
         return SlotPlan(tables, lengths, slots.transpose(0, 1).contiguous(),

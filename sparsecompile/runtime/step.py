@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .slot_access import SlotPlan
 
 
 @dataclass
@@ -46,7 +49,7 @@ class StepState:
     dense_lengths: list[int] | None = None
     #: eager forwards: every layer's slot mapping, computed once after the step's tables are flushed
     #: (``SlotAccess.slot_plan``); None in compiled decode steps, which map slots per layer inside their graph
-    slot_plan: Any = None
+    slot_plan: SlotPlan | None = None
 
     @property
     def is_last_chunk(self) -> bool:
