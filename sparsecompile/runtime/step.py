@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .slot_access import SlotPlan
 
 
 @dataclass
@@ -49,7 +46,7 @@ class StepState:
     dense_lengths: list[int] | None = None
     #: eager forwards: every layer's slot mapping, computed once after the step's tables are flushed
     #: (``SlotAccess.slot_plan``); None in compiled decode steps, which map slots per layer inside their graph
-    slot_plan: SlotPlan | None = None
+    slot_plan: Any = None  # a slot_access.SlotPlan (not imported: slot_access imports this module)
 
     @property
     def is_last_chunk(self) -> bool:
