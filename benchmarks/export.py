@@ -61,7 +61,9 @@ def role_export(args) -> dict:
                                **METHOD_OPTIONS[args.method])
     seconds = time.perf_counter() - start
     sizes = {p.name: p.stat().st_size for p in Path(out).iterdir() if p.is_file()}
-    return {"export_s": round(seconds, 1), "sizes_MB": {k: round(v / 2**20, 1) for k, v in sizes.items()}}
+    phases = json.loads((Path(out) / "manifest.json").read_text()).get("export_seconds")
+    return {"export_s": round(seconds, 1), "export_phases_s": phases,
+            "sizes_MB": {k: round(v / 2**20, 1) for k, v in sizes.items()}}
 
 
 def role_first_token(args) -> dict:

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .config import OPTION_KINDS, EngineConfig, ServingConfig
+from .serving.artifact import PhaseTimer
 from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, versions, write
 
 #: pages of the pool the programs are traced with (the page count is dynamic: any pool size loads)
@@ -90,19 +91,21 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
         name = serving.model_name or (str(given) if given is not None else resolve_model_path(None).name)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    timer = PhaseTimer()
     optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},
              **routed["method"])
     try:
         return _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form,
-                               compile_cache)
+                               compile_cache, timer)
     finally:
         restore(model)  # the programs hold what they need; give the model back as it came
 
 
 def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, dict[str, Any]], serving: ServingConfig,
                     engine_options: dict[str, Any], name: str | None, out: Path, form: str,
-                    compile_cache: bool) -> Path:
-    """Trace, compile and write the artifact of a model patched for export (see :func:`export`)."""
+                    compile_cache: bool, timer: PhaseTimer) -> Path:
+    """Trace, compile and write the artifact of a model patched for export (see :func:`export`); the manifest's
+    ``export_seconds`` says where the time went (patch, trace, fuse, one entry per program, weights, ...)."""
     from .models.export_fusion import fuse_projections
     from .models.export_programs import export_decode, export_prefill
     from .models.hf_patch import patched_model
@@ -111,18 +114,23 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
 
     patched = patched_model(model)
     controller = patched.controller
+    timer.device = controller.layout.device
     engine = LLMEngine(model, tokenizer, replace(serving, kv_cache_memory=None, gpu_memory_utilization=None))
     max_batch = engine.config.max_num_seqs
     example_batch = min(3, max_batch)
     empty = torch.zeros(0, 1, dtype=torch.long, device=controller.layout.device)
     controller.decode(patched.inner, [], empty, empty, pad_to=example_batch)  # creates the methods' lazy buffers
+    timer.done("patch")
     decode, state = export_decode(model, decode_state(controller), example_batch, max_batch)
+    timer.done("trace_decode")
     programs = {"prefill": export_prefill(model, engine.max_model_len, max_batch), "decode": decode}
+    timer.done("trace_prefill")
     fused: dict[str, int] = {}
     if engine_options["fuse_projections"]:  # as the compiled decode step does: one GEMM per q/k/v and gate/up
         shared: dict[str, torch.Tensor] = {}
         for key in programs:
             programs[key], fused[key] = fuse_projections(programs[key], shared)
+        timer.done("fuse")
 
     out.mkdir(parents=True, exist_ok=True)
     device_ = controller.layout.device
@@ -144,11 +152,14 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
         specs[key]["file"] = file
         specs[key]["fused_groups"] = fused.get(key, 0)
         files.append(file)
+        timer.done(f"{'compile' if form == 'aoti' else 'save'}_{key}")
     if form == "exported" and compile_cache:
         files.append(_compile_cache(out, specs["decode"], controller, dict(programs["decode"].state_dict),
                                     engine.graph_sizes))
+        timer.done("compile_cache")
 
     weights = _save_weights(programs.values(), out / "weights.safetensors")
+    timer.done("weights")
     tokenizer.save_pretrained(str(out / "tokenizer"))
     files += [str(p.relative_to(out)) for p in sorted((out / "tokenizer").rglob("*")) if p.is_file()]
     model.config.to_json_file(str(out / "config.json"))
@@ -173,6 +184,8 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
         "tokenizer_class": f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}",
         "files": hash_files(out, files),
     }
+    timer.done("hash")
+    manifest["export_seconds"] = timer.seconds  # informational: not part of the fingerprint
     write(out, manifest)
     return out
 

@@ -155,6 +155,9 @@ def test_the_manifest_describes_what_ships(artifacts):
     # snapkv only appends during decode: its program takes the pool and tables, not the eviction limits
     assert manifest["programs"]["decode"]["state"] == ["manager.k_pool", "manager.v_pool", "manager.pos_pool",
                                                        "manager.block_table", "manager.lengths"]
+    phases = manifest["export_seconds"]  # where the export's time went
+    assert {"trace_decode", "trace_prefill", "compile_decode", "compile_prefill", "weights"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
 
 
 def _copy(artifact: Path, tmp_path: Path) -> Path:

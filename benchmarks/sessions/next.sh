@@ -127,10 +127,10 @@ export_load)  # #17 after the load-time work (lazy imports, pinned chunked weigh
   echo "rc=$?"; grep -v "^method\|^$" "$OUT/export_load.log" | tail -3 | cut -c1-700
   timeout -s INT 270 $P tests/gpu/test_export_cuda.py -k "weights_reader or h2o or quest" > "$OUT/gpu_tests_export.log" 2>&1
   echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests_export.log" | tail -8 ;;
-export_tests)  # #17 fp32 token equality of AOTI artifacts (default form since 2026-12-01) in groups: K="quest or h2o"
-  # then K="vanilla or snapkv or pyramidkv", K="streamingllm or omnikv or exported_form" (~250 s for the first method)
-  timeout -s INT 560 $P tests/gpu/test_export_cuda.py -k "${K:-quest or h2o}" > "$OUT/gpu_tests_export.log" 2>&1
-  echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests_export.log" | tail -10 ;;
+export_tests)  # #17 fp32 token equality of AOTI artifacts, every method side by side (N workers, pytest-xdist; one
+  # method took 253 s alone on a fresh H200); K= narrows it; -rA prints each test's export and load phases
+  timeout -s INT 570 $P -n "${N:-6}" -rA tests/gpu/test_export_cuda.py ${K:+-k "$K"} > "$OUT/gpu_tests_export.log" 2>&1
+  echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error|export_s" "$OUT/gpu_tests_export.log" | cut -c1-400 | tail -24 ;;
 export_point)  # #17 one method end to end: export, load phases (tokenizer by its class), decode vs compiled at
   # POINTS, tokens with the top-2 gap at the first difference. METHOD=snapkv|quest|vanilla, POINTS=131072x4 (~8 min)
   timeout 580 python3 benchmarks/export.py --methods "${METHOD:-snapkv}" --form aoti --points "${POINTS:-131072x4}" \

@@ -284,12 +284,12 @@ def _serving_config(manifest: dict[str, Any], overrides: dict[str, Any]) -> Serv
     return ServingConfig(**values)
 
 
-class _PhaseTimer:
-    """Seconds per phase of a load (``engine.load_timings``); on CUDA a phase ends with a synchronize, so its
-    copies and kernels count in the phase that issued them."""
+class PhaseTimer:
+    """Seconds per phase of a load (``engine.load_timings``) or an export (the manifest's ``export_seconds``); on
+    CUDA a phase ends with a synchronize, so its copies and kernels count in the phase that issued them."""
 
-    def __init__(self) -> None:
-        self.device: torch.device | None = None
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
         self.seconds: dict[str, float] = {}
         self._last = time.perf_counter()
 
@@ -311,7 +311,7 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     skips hashing the artifact's files (the version and GPU checks still run). ``engine.load_timings``: seconds
     per phase (checks, kv_core, weights, prefill_program, decode_program, tokenizer, engine, cuda_graphs).
     """
-    timer = _PhaseTimer()
+    timer = PhaseTimer()
     root = Path(path)
     manifest = read(root)
     unknown = sorted(set(options) - set(LOAD_OPTIONS) - set(FIXED_SERVING))

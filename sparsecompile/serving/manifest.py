@@ -17,6 +17,7 @@
     buckets                     decode batch sizes captured as CUDA graphs at load
     files                       {relative path: sha256} of every package, program, config and tokenizer file
     fingerprint                 sha256 over ``files``, the weights file's safetensors header and the config sections
+    export_seconds              where the export's time went, per phase (informational, not fingerprinted)
 
 :func:`check` refuses, with the reason, a manifest of another format, torch version or GPU architecture, and an
 artifact whose files no longer match their hashes (the weights' values are covered by their size and header only:

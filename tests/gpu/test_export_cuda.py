@@ -6,7 +6,9 @@ The model is the 8B shape cut to 2 layers and kept in fp32 so that greedy ties c
 engine and the inductor-lowered programs (bf16 speed and full depth: ``benchmarks/export.py``). Methods whose
 decode program is the same (snapkv, pyramidkv and vanilla only append) reuse one compiled package; expect about
 six AOTInductor compiles. On a fresh H200 the first method took 253 s (2026-12-01, then in the exported form):
-run the file in groups (``-k``) of at most two or three methods per 10-minute call, as ``next.sh`` does.
+the tests are independent (own artifact directory, own model per worker; packages are shared through the
+atomic ``$SPARSECOMPILE_CACHE/aoti``), so ``next.sh`` runs them side by side (``pytest -n 4``). Each prints its
+export and load phases (``-rA`` shows them).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ prompts = json.loads(sys.argv[2])
 outs = llm.generate(prompts, sparsecompile.SamplingParams(temperature=0, max_tokens=int(sys.argv[3])), use_tqdm=False)
 graphs = sorted(llm.llm_engine.controller._compiled_decode.graphs)
 print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "graphs": graphs,
-                              "modeling": [m for m in sys.modules if "modeling_llama" in m]}))
+                              "modeling": [m for m in sys.modules if "modeling_llama" in m],
+                              "load_s": llm.llm_engine.load_timings}))
 """
 
 
@@ -84,6 +87,8 @@ def test_a_fresh_process_serves_the_8b_shape_artifact_token_for_token(method, mo
                            str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     loaded = json.loads(next(ln[7:] for ln in done.stdout.splitlines() if ln.startswith("RESULT ")))
+    print(f"{method}: export_s {json.loads((path / 'manifest.json').read_text())['export_seconds']}; "
+          f"load_s {loaded['load_s']}")
     assert loaded["modeling"] == []
     assert loaded["graphs"] == [1, 2, 4], "a decode bucket was not captured as a CUDA graph at load"
     eager = sparsecompile.LLM(model, method, tokenizer=tokenizer, compile=False, **ENGINE, **METHODS[method])
