@@ -154,17 +154,15 @@ def test_move_slots_copies_each_pair_in_every_pool():
                 if s >= 0 and d >= 0:
                     for pool in want:
                         pool[table[b, d // PAGE], h, d % PAGE] = pool[table[b, s // PAGE], h, s % PAGE]
-    move_slots(pools[0], pools[1], pools[2], pools[3:], table, src, dst)
+    move_slots(pools, table, src, dst)
     for got, expected in zip(pools, want):
         assert torch.equal(got, expected)
 
 
 def test_opcheck_move_slots():
     pools, table, src, dst = _move_case(1)
-    torch.library.opcheck(torch.ops.sparsecompile.move_slots.default, (pools[0], pools[1], pools[2], pools[3:], table,
-                                                                       src, dst))
-    torch.library.opcheck(torch.ops.sparsecompile.move_slots.default, (pools[0], pools[1], pools[2], [], table,
-                                                                       src[..., :0], dst[..., :0]))
+    torch.library.opcheck(torch.ops.sparsecompile.move_slots.default, (pools, table, src, dst))
+    torch.library.opcheck(torch.ops.sparsecompile.move_slots.default, (pools[:3], table, src[..., :0], dst[..., :0]))
 
 
 @triton_only
@@ -175,7 +173,7 @@ def test_triton_move_slots_matches_reference():
     pools, table, src, dst = (x if not isinstance(x, list) else [t.to(device) for t in x] for x in _move_case(2))
     table, src, dst = table.to(device), src.to(device), dst.to(device)
     want = [p.clone() for p in pools]
-    move_slots_reference(want[0], want[1], want[2], want[3:], table, src, dst)
-    move_slots_triton(pools[0], pools[1], pools[2], pools[3:], table, src, dst)
+    move_slots_reference(want, table, src, dst)
+    move_slots_triton(pools, table, src, dst)
     for got, expected in zip(pools, want):
         assert torch.equal(got, expected)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -137,6 +138,28 @@ def test_exported_programs_step_like_the_eager_engine(method, options):
         for slot in decode_state(a):
             torch.testing.assert_close(b_state[slot.name], slot.get(), msg=slot.name)
         token = want[:, -1].argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("method,options", [("quest", {"budget": 24, "dense_layers": 1}),
+                                            ("omnikv", {"budget": 24, "filter_layers": "0"})])
+def test_a_loaded_artifact_binds_the_buffers_its_method_creates_in_the_first_step(method, options, tmp_path):
+    """Quest's and OmniKV's read counters are created by the first decode step's host hook, so the export holds
+    them in the decode program's state and a freshly loaded KV core does not, until load runs a padding-only step
+    before binding. Fallback form run as plain torch.export programs (nothing compiled); selecting budgets."""
+    from tiny_models import word_tokenizer
+
+    _, model = tiny_pair("llama")
+    engine = dict(max_num_seqs=4, max_model_len=128, page_size=4, prefill_chunk_size=32, **options)
+    path = sparsecompile.export(model, tmp_path / method, method, tokenizer=word_tokenizer(96), form="exported",
+                                compile_cache=False, **engine)
+    assert any(name.startswith("method.reads") for name in
+               json.loads((path / "manifest.json").read_text())["programs"]["decode"]["state"])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (60, 41, 13)]
+    params = sparsecompile.SamplingParams(temperature=0, max_tokens=12)
+    got = [o.outputs[0].token_ids for o in sparsecompile.load(path).generate(prompts, params, use_tqdm=False)]
+    eager = sparsecompile.LLM(model, method, tokenizer=word_tokenizer(96), compile=False, **engine)
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
 
 def test_a_decode_hook_reading_host_fields_fails_the_export(monkeypatch):

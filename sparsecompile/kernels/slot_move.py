@@ -1,9 +1,12 @@
 """``sparsecompile::move_slots``: copy row-local slots to other slots of the same row and KV head, in every pool.
 
-Pools as in ``kv_write.py``: ``k_pool, v_pool [num_pages, kv_heads, page_size, head_dim]``, ``pos_pool`` and any
-per-slot metadata ``[num_pages, kv_heads, page_size]``. A row-local slot ``s`` of a row lives at page
-``table[row, s // page_size]``, offset ``s % page_size``. Each pair ``(src, dst)`` of ``[batch, kv_heads, n]``
-copies the slot's key, value, position and metadata; a pair with a negative side is skipped.
+``pools``: ``[k_pool, v_pool, pos_pool, *metadata]`` as in ``kv_write.py``: ``k_pool, v_pool [num_pages, kv_heads,
+page_size, head_dim]``, ``pos_pool`` and any per-slot metadata ``[num_pages, kv_heads, page_size]``. One list,
+never empty: an AOTInductor package calls the op through its proxy executor, which passes an *empty* tensor-list
+argument as None (a separate, empty metadata list broke StreamingLLM's exported decode: no per-slot metadata).
+A row-local slot ``s`` of a row lives at page ``table[row, s // page_size]``, offset ``s % page_size``. Each pair
+``(src, dst)`` of ``[batch, kv_heads, n]`` copies the slot's key, value, position and metadata; a pair with a
+negative side is skipped.
 
 Contract: within a ``(row, head)`` the source slots and the destination slots are disjoint sets (a hole is
 filled from a slot that is not itself a hole). That is what decode eviction needs (holes below the new count,
@@ -34,22 +37,20 @@ def _global(table: torch.Tensor, local: torch.Tensor, page_size: int) -> tuple[t
     return pages, local % page_size
 
 
-def move_slots_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
-                         metadata: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor,
+def move_slots_reference(pools: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor,
                          dst: torch.Tensor) -> None:
     """Torch reference.
 
     Args:
-        k_pool, v_pool, pos_pool, metadata: the pools (see module docstring), written in place.
+        pools: ``[k_pool, v_pool, pos_pool, *metadata]`` (see module docstring), written in place.
         table: ``[batch, max_pages]`` the rows' block-table rows for this layer (int32 or int64).
         src, dst: ``[batch, kv_heads, n]`` int64 row-local slots; a pair with ``src < 0`` or ``dst < 0`` is skipped.
     """
-    page_size = pos_pool.shape[2]
+    page_size = pools[2].shape[2]
     ok = (src >= 0) & (dst >= 0)
     src_page, src_off = _global(table, src.clamp(min=0), page_size)
     dst_page, dst_off = _global(table, dst.clamp(min=0), page_size)
     head = torch.arange(src.shape[1], device=src.device)[None, :, None].expand_as(src)
-    pools = (k_pool, v_pool, pos_pool, *metadata)
     values = [pool[src_page[ok], head[ok], src_off[ok]] for pool in pools]  # read everything before writing
     for pool, value in zip(pools, values):
         pool[dst_page[ok], head[ok], dst_off[ok]] = value
@@ -77,29 +78,26 @@ if triton is not None:
                 tl.store(pool + z + e, tl.load(pool + a + e, mask=emask), mask=emask)
 
 
-def move_slots_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
-                      metadata: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor,
-                      dst: torch.Tensor) -> None:
+def move_slots_triton(pools: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Triton launches (one per pool) with the semantics of :func:`move_slots_reference` under the disjointness
     contract (pools contiguous)."""
     batch, kv_heads, n = src.shape
     if n == 0 or batch == 0:
         return
-    page_size = pos_pool.shape[2]
+    page_size = pools[2].shape[2]
     src, dst = src.contiguous(), dst.contiguous()
-    for pool in (k_pool, v_pool, pos_pool, *metadata):
+    for pool in pools:
         elems = math.prod(pool.shape[3:])  # head_dim for K / V, 1 for positions and metadata
         _move_slots_kernel[(batch, kv_heads)](pool, table, src, dst, n, table.stride(0), kv_heads, page_size, elems,
                                               triton.next_power_of_2(elems))
 
 
-def _fake(k_pool, v_pool, pos_pool, metadata, table, src, dst) -> None:
+def _fake(pools, table, src, dst) -> None:
     return None
 
 
 move_slots = define_op(
-    "move_slots(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor(c!) pos_pool, Tensor(d!)[] metadata, Tensor table, "
-    "Tensor src, Tensor dst) -> ()",
+    "move_slots(Tensor(a!)[] pools, Tensor table, Tensor src, Tensor dst) -> ()",
     cpu=move_slots_reference,
     cuda=move_slots_triton if triton is not None else None,
     fake=_fake,

@@ -195,7 +195,7 @@ class SlotAccess:
         if self.storage is not None:
             self.move_slots(layer, rows, src, dst)
             return
-        move_slots_op(self.k_pool, self.v_pool, self.pos_pool, list(self.slot_metadata.values()),
+        move_slots_op([self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values()],
                       self.block_table[rows, self.layer_key(layer)], src, dst)
 
     def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:

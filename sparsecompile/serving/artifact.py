@@ -219,19 +219,26 @@ class ArtifactDecode:
         with torch.no_grad():
             return self.program(self._inputs(step, input_ids))[0]
 
+    def warm_up(self) -> None:
+        """One decode step of padding rows only (nothing is read or written: the padding row holds no slot). The
+        step's host hooks create the method's lazily sized buffers (Quest's and OmniKV's read counters), then the
+        program's state binds to them: a state this KV core does not hold fails the load, not the first request."""
+        self._padding_steps([1])
+
     def capture(self, buckets: list[int]) -> None:
-        """One CUDA graph per decode batch size, recorded over steps of padding rows only (nothing is read or
-        written: the padding row holds no slot), largest first, sharing one memory pool."""
-        c = self.controller
-        device = c.layout.device
-        empty = torch.zeros(0, 1, dtype=torch.long, device=device)
+        """One CUDA graph per decode batch size, recorded over padding-only steps (as :meth:`warm_up`), largest
+        first, sharing one memory pool."""
         self._pool = torch.cuda.graph_pool_handle()
         self._capture = True
         try:
-            for batch in sorted(set(buckets), reverse=True):
-                c.decode(None, [], empty, empty, pad_to=batch)
+            self._padding_steps(sorted(set(buckets), reverse=True))
         finally:
             self._capture = False
+
+    def _padding_steps(self, batches: list[int]) -> None:
+        empty = torch.zeros(0, 1, dtype=torch.long, device=self.controller.layout.device)
+        for batch in batches:
+            self.controller.decode(None, [], empty, empty, pad_to=batch)
 
     def _record(self, step, input_ids: torch.Tensor) -> torch.Tensor:
         inputs = self._inputs(step, input_ids.clone())
@@ -309,7 +316,8 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     ``gpu_memory_utilization``, ``num_pages``, ``max_num_batched_tokens``, ``cuda_graph_sizes``, ``model_name``,
     ``show_progress``); ``max_num_seqs`` and ``max_model_len`` must equal the exported ones. ``verify=False``
     skips hashing the artifact's files (the version and GPU checks still run). ``engine.load_timings``: seconds
-    per phase (checks, kv_core, weights, prefill_program, decode_program, tokenizer, engine, cuda_graphs).
+    per phase (checks, kv_core, weights, prefill_program, decode_program, tokenizer, engine, then cuda_graphs or
+    warm_up).
     """
     timer = PhaseTimer()
     root = Path(path)
@@ -347,11 +355,13 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     engine = LLMEngine(ArtifactModel(controller, prefill, manifest), tokenizer,
                        _serving_config(manifest, {k: v for k, v in options.items() if k not in ("num_pages",
                                                                                                 "show_progress")}))
-    decode.bind_state()
     timer.done("engine")
     if device.type == "cuda" and wanted(manifest["engine"].get("cuda_graphs", "auto"), device):
-        decode.capture(engine.graph_sizes)
+        decode.capture(engine.graph_sizes)  # binds the program's state, as warm_up does
         timer.done("cuda_graphs")
+    else:
+        decode.warm_up()
+        timer.done("warm_up")
     engine.load_timings = timer.seconds
     log.info("loaded %s in %.1f s (%s)", root, sum(timer.seconds.values()),
              ", ".join(f"{k} {v:.2f} s" for k, v in timer.seconds.items()))

@@ -117,7 +117,9 @@ def test_the_exported_form_serves_without_aoti(model_and_tokenizer, tmp_path):
     torch.compiler.reset()
     counters.clear()
     llm = sparsecompile.load(path)
-    assert counters["inductor"]["fxgraph_cache_hit"] >= 3 and not counters["inductor"]["fxgraph_cache_miss"]
+    # a hit of AOTAutograd's cache loads the inductor graph without counting an FX-graph-cache hit (torch 2.11)
+    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    assert hits >= 3 and not counters["inductor"]["fxgraph_cache_miss"], dict(counters)
     params = sparsecompile.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
     assert sorted(llm.llm_engine.controller._compiled_decode.graphs) == [1, 2, 4]
