@@ -7,8 +7,9 @@ Every measurement runs in its own subprocess (a crash or an out-of-memory loses 
 
 * **export** (per method, a fresh ``$SPARSECOMPILE_CACHE`` so no package is reused): build the model, then
   ``sparsecompile.export`` with ``max_num_seqs=4`` and a context covering the largest point; target <= 5 min.
-* **first token** (per artifact, a fresh process): ``import sparsecompile`` (timed apart), ``sparsecompile.load``,
-  then ``generate`` of one token for a 1K-token prompt; target load + first token <= 10 s.
+* **first token** (per artifact, a fresh process with an empty Triton cache, as on a machine that did not export
+  it): ``import sparsecompile`` (timed apart), ``sparsecompile.load``, then ``generate`` of one token for a
+  1K-token prompt; target load + first token <= 10 s.
 * **decode** (per method and point): the artifact's decode step (CUDA-graph replays captured at load) and the
   compiled path (``optimize(compile=True)``, the same as ``benchmarks/decode.py``), each from a KV cache filled
   synthetically at the size the method keeps, 32 warm-up then 128 timed steps; target artifact within 3 %.
@@ -237,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (artifact / "manifest.json").exists():
             continue
         if "first-token" in stages:
+            cold = {**env, "TRITON_CACHE_DIR": str(workdir / f"triton-cold-{method}")}  # as on another machine
             emit({"stage": "first-token", "method": method,
-                  **_subprocess("first-token", args, ["--dir", str(artifact)], env, args.timeout)})
+                  **_subprocess("first-token", args, ["--dir", str(artifact)], cold, args.timeout)})
         if "decode" in stages:
             for context, batch in points:
                 extra = ["--method", method, "--dir", str(artifact), "--context", str(context), "--batch", str(batch)]

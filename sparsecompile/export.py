@@ -49,7 +49,7 @@ from torch import nn
 
 from .config import OPTION_KINDS, EngineConfig, ServingConfig
 from .serving.artifact import PhaseTimer
-from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, versions, write
+from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, read, versions, write
 
 #: pages of the pool the programs are traced with (the page count is dynamic: any pool size loads)
 EXAMPLE_PAGES = 97
@@ -57,7 +57,7 @@ EXAMPLE_PAGES = 97
 
 def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLike, method: str = "vanilla", *,
            tokenizer=None, device: str | None = None, dtype: torch.dtype | None = None, form: str = "aoti",
-           compile_cache: bool = True, **options: Any) -> Path:
+           compile_cache: bool = True, kernels: bool = True, **options: Any) -> Path:
     """Export ``model`` with ``method`` into the artifact directory ``out_dir``; returns its path.
 
     Args:
@@ -73,6 +73,9 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             link it is refused at export and at load.
         compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
             the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
+        kernels: on CUDA, trial-load the artifact in a child process and ship the Triton kernels of sparsecompile's
+            own ops it compiled (``kernels/``, ``serving/artifact_kernels.py``), so a load on a machine whose Triton
+            cache lacks them does not compile them; the trial load also proves the artifact loads.
     """
     from .models.default_model import load_model, resolve_model_path
     from .optimize import optimize, restore, split_method_options
@@ -95,10 +98,13 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
     optimize(model, method, **{**engine_options, "compile": False, "cuda_graphs": False, "num_pages": EXAMPLE_PAGES},
              **routed["method"])
     try:
-        return _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form,
-                               compile_cache, timer)
+        out = _export_patched(model, tokenizer, method, routed, serving, engine_options, name, Path(out_dir), form,
+                              compile_cache, timer)
     finally:
         restore(model)  # the programs hold what they need; give the model back as it came
+    if kernels and read(out)["device"]["type"] == "cuda":
+        _ship_kernels(out, timer)
+    return out
 
 
 def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, dict[str, Any]], serving: ServingConfig,
@@ -153,13 +159,11 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
         specs[key]["fused_groups"] = fused.get(key, 0)
         files.append(file)
         timer.done(f"{'compile' if form == 'aoti' else 'save'}_{key}")
-    if form == "exported" and compile_cache:
-        files.append(_compile_cache(out, specs["decode"], controller, dict(programs["decode"].state_dict),
-                                    engine.graph_sizes))
-        timer.done("compile_cache")
-
     weights = _save_weights(programs.values(), out / "weights.safetensors")
     timer.done("weights")
+    if form == "exported" and compile_cache:
+        files.append(_compile_cache(out, specs["decode"], controller, weights, engine.graph_sizes))
+        timer.done("compile_cache")
     tokenizer.save_pretrained(str(out / "tokenizer"))
     files += [str(p.relative_to(out)) for p in sorted((out / "tokenizer").rglob("*")) if p.is_file()]
     model.config.to_json_file(str(out / "config.json"))
@@ -253,17 +257,22 @@ def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: di
     shutil.copyfile(cached, target)
 
 
-def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[str, torch.Tensor],
-                   buckets: list[int]) -> str:
+def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[str, Any], buckets: list[int]) -> str:
     """The fallback form's warm start: compile the saved decode program exactly as ``load`` will (loaded from disk,
     same inductor options, pool pages dynamic) at every batch bucket, over padding-only steps that change nothing,
-    and save the compiler's cache artifacts next to it; returns the file name."""
-    from .serving.artifact import ArtifactDecode, ExportedProgramRunner, per_page_inputs
+    and save the compiler's cache artifacts next to it; returns the file name.
+
+    The weights are the saved file read back by the loader's own reader (``weights``: the manifest's entry), not
+    the model's tensors: on CUDA inductor keys a graph on its parameters' storage offsets and storage sizes, and the
+    loader's weights are views of one buffer, so a compile over the model's own tensors was never a hit at load
+    (fx-graph-cache misses on the H200)."""
+    from .serving.artifact import ArtifactDecode, ExportedProgramRunner, load_weights, per_page_inputs
 
     spec["inductor"] = _inductor_configs(controller.runtime.reads_pool_across_layers)
     spec["inductor"].pop("aot_inductor.package_constants_in_so")
     torch.compiler.reset()
-    runner = ExportedProgramRunner(out / spec["file"], weights, len(spec["inputs"]), spec["inductor"],
+    loaded = load_weights(out, {"weights": weights}, controller.layout.device)
+    runner = ExportedProgramRunner(out / spec["file"], loaded, len(spec["inputs"]), spec["inductor"],
                                    per_page_inputs(spec))
     decode = ArtifactDecode(runner, controller, spec["state"])
     decode.bind_state()
@@ -277,6 +286,19 @@ def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[st
     spec["compile_cache"] = "decode.cache.bin"
     (out / spec["compile_cache"]).write_bytes(saved[0])
     return spec["compile_cache"]
+
+
+def _ship_kernels(out: Path, timer: PhaseTimer) -> None:
+    """Add the trial load's Triton kernels to the written artifact (files hashed, manifest rewritten)."""
+    from .serving.artifact_kernels import KERNELS, compile_kernels
+
+    shipped = compile_kernels(out)
+    timer.done("trial_load")
+    manifest = read(out)
+    manifest["files"].update(hash_files(out, shipped))
+    manifest["kernels"] = KERNELS
+    manifest["export_seconds"] = timer.seconds
+    write(out, manifest)
 
 
 def _save_program(ep: torch.export.ExportedProgram, target: Path) -> None:

@@ -215,3 +215,45 @@ def test_the_exported_form_serves_the_same_tokens(smollm2_cut, tmp_path):
     eager = sparsecompile.LLM(str(smollm2_cut), "snapkv", **ENGINE, **METHODS["snapkv"])
     assert ([o.outputs[0].token_ids for o in loaded.generate(PROMPTS, GREEDY, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)])
+
+
+_WARM_SCRIPT = r"""
+import json, sys
+import sparsecompile
+from torch._dynamo.utils import counters
+llm = sparsecompile.load(sys.argv[1])  # compiles batch 1 (the load's padding step)
+out = llm.generate(json.loads(sys.argv[2]), sparsecompile.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in out],
+                  "counters": {k: dict(counters[k]) for k in ("aot_autograd", "inductor")}}))
+"""
+
+
+@pytest.mark.slow
+def test_the_exported_form_starts_warm_from_its_shipped_compile_cache(tmp_path):
+    """The fallback form's ``compile_cache``: a fresh process with an empty cache directory compiles the decode
+    program at batches 1 and 2 as hits of the shipped cache artifacts only (tiny model). The export compiles over
+    the weights as the loader reads them back: on CUDA inductor keys graphs on their parameters' storage offsets,
+    and a compile over the model's own tensors missed at load on the H200."""
+    from tiny_models import tiny_pair, word_tokenizer
+
+    _, model = tiny_pair("llama")
+    engine = dict(max_num_seqs=2, max_model_len=64, page_size=4, prefill_chunk_size=16, budget=12, window=4)
+    path = sparsecompile.export(model, tmp_path / "warm", "snapkv", tokenizer=word_tokenizer(96), form="exported",
+                                **engine)
+    assert json.loads((path / "manifest.json").read_text())["programs"]["decode"]["compile_cache"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (20, 9)]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(SPARSECOMPILE_CACHE=str(tmp_path / "cold"), PYTHONPATH=os.pathsep.join(
+        [str(Path(sparsecompile.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _WARM_SCRIPT, str(path), json.dumps(prompts)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    counters = loaded["counters"]
+    assert counters["aot_autograd"].get("autograd_cache_hit") == 2, counters
+    assert not counters["inductor"].get("fxgraph_cache_miss") and not counters["aot_autograd"].get(
+        "autograd_cache_miss"), counters
+    eager = sparsecompile.LLM(model, "snapkv", tokenizer=word_tokenizer(96), compile=False, **engine)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert loaded["tokens"] == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]

@@ -245,3 +245,29 @@ def test_the_artifact_tokenizer_loads_through_its_recorded_class_or_autotokenize
     tokenizer = load_tokenizer(tmp_path, class_path)  # a module outside transformers is never imported by name
     assert type(tokenizer).__name__ == "TokenizersBackend"
     assert tokenizer("t1 t2 t5").input_ids == [1, 2, 5]
+
+
+def test_shipped_kernels_fill_only_the_entries_missing_from_the_triton_cache(tmp_path, monkeypatch):
+    """``load`` copies an artifact's ``kernels/`` entries (Triton cache entries, named by Triton's key) into this
+    process's Triton cache: a missing entry whole, an entry already there untouched, nothing half-written."""
+    from sparsecompile.serving.artifact_kernels import install_kernels, triton_cache_dir
+    from sparsecompile.serving.manifest import ArtifactError
+
+    shipped = tmp_path / "artifact" / "kernels"
+    for key in ("AAAA", "BBBB"):
+        (shipped / key).mkdir(parents=True)
+        (shipped / key / "k.cubin").write_bytes(key.encode() * 3)
+        (shipped / key / "__grp__k.json").write_text("{}")
+    cache = tmp_path / "triton"
+    (cache / "BBBB").mkdir(parents=True)
+    (cache / "BBBB" / "k.cubin").write_bytes(b"this process's own")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert triton_cache_dir() == cache
+    assert install_kernels(tmp_path / "artifact", {"kernels": "kernels"}) == 1
+    assert (cache / "AAAA" / "k.cubin").read_bytes() == b"AAAAAAAAAAAA" and (cache / "AAAA" / "__grp__k.json").exists()
+    assert (cache / "BBBB" / "k.cubin").read_bytes() == b"this process's own"
+    assert sorted(p.name for p in cache.iterdir()) == ["AAAA", "BBBB"]  # no staging directory left behind
+    assert install_kernels(tmp_path / "artifact", {"kernels": "kernels"}) == 0
+    assert install_kernels(tmp_path / "artifact", {}) == 0  # a CPU artifact ships none
+    with pytest.raises(ArtifactError, match="missing"):
+        install_kernels(tmp_path / "artifact", {"kernels": "gone"})

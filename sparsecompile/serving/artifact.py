@@ -39,6 +39,7 @@ from ..runtime.controller import SparseController
 from ..runtime.model_info import ModelInfo
 from ..runtime.state_binding import POOL_PREFIXES, StateSlot, decode_state, state_tensors
 from .aoti_linkage import check_package
+from .artifact_kernels import install_kernels
 from .engine import LLMEngine
 from .manifest import ArtifactError, check, read
 from .weights_file import load_safetensors
@@ -316,8 +317,8 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     ``gpu_memory_utilization``, ``num_pages``, ``max_num_batched_tokens``, ``cuda_graph_sizes``, ``model_name``,
     ``show_progress``); ``max_num_seqs`` and ``max_model_len`` must equal the exported ones. ``verify=False``
     skips hashing the artifact's files (the version and GPU checks still run). ``engine.load_timings``: seconds
-    per phase (checks, kv_core, weights, prefill_program, decode_program, tokenizer, engine, then cuda_graphs or
-    warm_up).
+    per phase (checks, kernels, kv_core, weights, prefill_program, decode_program, tokenizer, engine, then
+    cuda_graphs or warm_up).
     """
     timer = PhaseTimer()
     root = Path(path)
@@ -332,6 +333,8 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     timer.device = device
     check(manifest, root, device, verify_files=verify)
     timer.done("checks")
+    install_kernels(root, manifest)  # before any step: sparsecompile's own Triton kernels, compiled at export
+    timer.done("kernels")
     info_spec = manifest["model"]["info"]
     info = ModelInfo(**{**info_spec, "attention_paths": tuple(info_spec["attention_paths"])})
     runtime = build_runtime(manifest["method"]["name"], manifest["method"]["options"], info)

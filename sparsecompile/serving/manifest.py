@@ -15,6 +15,8 @@
     tokenizer, tokenizer_class  the tokenizer's directory, and its class as "module:name" (loaded directly:
                                 ``transformers.AutoTokenizer`` imports far more than a tokenizer needs)
     buckets                     decode batch sizes captured as CUDA graphs at load
+    kernels                     (CUDA) the directory of sparsecompile's own Triton kernels, compiled by a trial load at
+                                export and copied into the loading process's Triton cache (``artifact_kernels.py``)
     files                       {relative path: sha256} of every package, program, config and tokenizer file
     fingerprint                 sha256 over ``files``, the weights file's safetensors header and the config sections
     export_seconds              where the export's time went, per phase (informational, not fingerprinted)

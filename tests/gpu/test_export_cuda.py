@@ -82,7 +82,10 @@ def test_a_fresh_process_serves_the_8b_shape_artifact_token_for_token(method, mo
 
     model, tokenizer = model_and_tokenizer
     path = sparsecompile.export(model, tmp_path / method, method, tokenizer=tokenizer, **ENGINE, **METHODS[method])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    shipped = [f for f in json.loads((path / "manifest.json").read_text())["files"] if f.startswith("kernels/")]
+    assert any(f.endswith(".cubin") for f in shipped), "the trial load shipped no Triton kernel"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cold-triton"),  # only what the artifact ships
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _LOAD, str(path), json.dumps(_prompts()),
                            str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,0 +1,92 @@
+"""The Triton kernels of sparsecompile's own ops, shipped inside a CUDA artifact.
+
+An AOTInductor package embeds inductor's kernels as cubins, but sparsecompile's ops (``kv_write``,
+``paged_attention``, Quest's page scores, ``topk_select``, ...) are ``torch.library`` ops that launch Triton
+kernels through Triton's JIT: the package calls them back through its proxy executor. In a process whose Triton
+cache lacks those kernels, the first decode step compiles each of them, about a second apiece: the load phase that
+captures the decode CUDA graphs took 3.7-5.4 s of an 8.9-10.5 s load-to-first-token on the H200 (8B shape, snapkv
+and quest), and 0.7-9.3 s in the 2-layer GPU tests depending on whether an earlier test had warmed the cache.
+
+So ``export`` loads the fresh artifact once in a child process whose Triton cache is the artifact's ``kernels/``
+directory (a trial load, decode graphs captured, one short prompt generated: it also proves the artifact loads),
+and ships what Triton wrote there. ``load`` copies each entry missing from this process's Triton cache into it
+before the first step. Entries are named by Triton's own cache key (source, compile options, target, Triton
+version), so a copied entry is used exactly where this process would have compiled the same kernel, and never
+otherwise; the manifest's file hashes cover the shipped files like every other one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .manifest import ArtifactError
+
+KERNELS = "kernels"
+#: KV memory of the trial load (its kernels do not depend on the pool's size; the default takes most of the GPU)
+TRIAL_KV_BYTES = 1 << 30
+_TRIAL = r"""
+import json, sys
+import sparsecompile
+llm = sparsecompile.load(sys.argv[1], kv_cache_memory=int(sys.argv[2]))
+prompt = list(range(3, 3 + int(sys.argv[3])))
+llm.generate([prompt, prompt[:-5]], sparsecompile.SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+"""
+
+
+def triton_cache_dir() -> Path:
+    """This process's Triton cache directory (``TRITON_CACHE_DIR``, else Triton's default)."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):  # an older Triton without knobs
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def compile_kernels(root: Path, prompt_tokens: int = 40, timeout: float = 900) -> list[str]:
+    """Trial-load the artifact in ``root`` in a child process with ``root/kernels`` as its Triton cache; returns
+    the files written there (relative to ``root``). A failing trial load fails the export with its error."""
+    target = root / KERNELS
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TRITON_CACHE_DIR": str(target),
+           "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _TRIAL, str(root), str(TRIAL_KV_BYTES), str(prompt_tokens)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if done.returncode != 0:
+        raise ArtifactError(f"the trial load of the exported artifact failed (it would fail to serve):\n"
+                            f"{done.stderr[-3000:]}")
+    for stray in [p for p in target.rglob("*") if p.name == "lock" or p.name.startswith("tmp.")]:
+        shutil.rmtree(stray) if stray.is_dir() else stray.unlink()
+    return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file())
+
+
+def install_kernels(root: Path, manifest: dict) -> int:
+    """Copy the artifact's shipped kernel entries missing from this process's Triton cache into it (each through
+    a temporary directory and one rename, so a concurrent process never sees half an entry); returns how many."""
+    if not manifest.get("kernels"):
+        return 0
+    source = root / manifest["kernels"]
+    if not source.is_dir():
+        raise ArtifactError(f"the manifest lists shipped kernels in {manifest['kernels']}/, which is missing")
+    cache = triton_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for entry in sorted(p for p in source.iterdir() if p.is_dir()):
+        if (cache / entry.name).exists():
+            continue
+        staging = Path(tempfile.mkdtemp(prefix=f"tmp.{entry.name[:16]}.", dir=cache))
+        try:
+            shutil.copytree(entry, staging, dirs_exist_ok=True)
+            os.replace(staging, cache / entry.name)
+            copied += 1
+        except OSError:  # another process installed it first: theirs is the same entry
+            shutil.rmtree(staging, ignore_errors=True)
+    return copied
+
