@@ -93,7 +93,7 @@ def role_decode_artifact(args) -> dict:
     import sparsecompile
 
     sys.path.insert(0, str(HERE))
-    from decode import _fill_synthetic, _timed_window
+    from decode import _fill_synthetic, _profile, _timed_window
 
     engine = sparsecompile.load(args.dir).llm_engine
     controller = engine.controller
@@ -110,6 +110,8 @@ def role_decode_artifact(args) -> dict:
         pos.add_(1)
 
     step_s = _timed_window(step, args.warmup, args.steps) / args.steps
+    if args.profile_dir:
+        _profile(step, _profile_path(args, "artifact"))
     replayed = bucket in controller._compiled_decode.graphs
     controller.release_rows(rows)
     return {"tok_s": round(args.batch / step_s, 1), "step_ms": round(step_s * 1e3, 3), "graph_replay": replayed,
@@ -124,8 +126,14 @@ def role_decode_compiled(args) -> dict:
     DECODE_OPTIONS[args.method] = METHOD_OPTIONS[args.method]
     model = _model(args.layers)
     point = engine_point(model, args.method, args.context, args.batch, args.warmup, args.steps, weight_bytes(model),
-                         1.0)
+                         1.0, _profile_path(args, "compiled") if args.profile_dir else None)
     return {"tok_s": round(point.tok_s, 1), "step_ms": round(point.step_ms, 3), "peak_GiB": round(point.peak_GiB, 1)}
+
+
+def _profile_path(args, system: str) -> str:
+    """Where a decode role writes its kernel table (``--profile-dir``): both systems side by side per point."""
+    os.makedirs(args.profile_dir, exist_ok=True)
+    return os.path.join(args.profile_dir, f"profile_{args.method}_{args.context // 1024}k_b{args.batch}_{system}.txt")
 
 
 def role_tokens(args) -> dict:
@@ -163,7 +171,7 @@ ROLES = {"export": role_export, "first-token": role_first_token, "decode-artifac
 def _subprocess(role: str, args, extra: list[str], env: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-X", "faulthandler", __file__, "--role", role, "--layers", str(args.layers or 0),
            "--max-model-len", str(args.max_model_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--form", args.form, *extra]
+           "--form", args.form, *(["--profile-dir", args.profile_dir] if args.profile_dir else []), *extra]
     start = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -193,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=str(HERE / "results" / "export.jsonl"))
     parser.add_argument("--export-timeout", type=float, default=900)
+    parser.add_argument("--profile-dir", default=None, help="decode: also write each system's top kernels here")
     parser.add_argument("--timeout", type=float, default=420)
     parser.add_argument("--role", default=None, choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--method", default="vanilla", help=argparse.SUPPRESS)

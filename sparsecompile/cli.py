@@ -164,6 +164,9 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
                              "step's compile cache, for hosts where AOTI packages do not load")
     export.add_argument("--no-compile-cache", action="store_true",
                         help="with --form exported: ship no compile cache (the loader then runs the programs eagerly)")
+    export.add_argument("--no-kernels", action="store_true",
+                        help="on CUDA: skip the trial load that compiles and ships sparsecompile's Triton kernels "
+                             "(the loading process then compiles them on first use)")
     exported = export.add_argument_group("serving options fixed in the artifact (max_num_seqs, max_model_len, "
                                          "cuda_graph_sizes; the KV memory is chosen at load)")
     add_arguments(exported, ServingConfig, skip=("model_name", "kv_cache_memory", "gpu_memory_utilization"))

@@ -93,7 +93,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     out = export(args.model, args.out, args.method, device=args.device, dtype=torch_dtype(args.dtype), form=args.form,
-                 compile_cache=not args.no_compile_cache, **given_options(args, EngineConfig, ServingConfig))
+                 compile_cache=not args.no_compile_cache, kernels=not args.no_kernels,
+                 **given_options(args, EngineConfig, ServingConfig))
     print(f"sparsecompile: exported {args.model or 'the embedded model'} with method {args.method} to {out} "
           f"({args.form} form, {time.perf_counter() - start:.0f} s); serve it with "
           f"`sparsecompile serve --artifact {out}`",

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import subprocess
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -50,6 +52,8 @@ from torch import nn
 from .config import OPTION_KINDS, EngineConfig, ServingConfig
 from .serving.artifact import PhaseTimer
 from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, read, versions, write
+
+log = logging.getLogger(__name__)
 
 #: pages of the pool the programs are traced with (the page count is dynamic: any pool size loads)
 EXAMPLE_PAGES = 97
@@ -75,7 +79,8 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
         kernels: on CUDA, trial-load the artifact in a child process and ship the Triton kernels of sparsecompile's
             own ops it compiled (``kernels/``, ``serving/artifact_kernels.py``), so a load on a machine whose Triton
-            cache lacks them does not compile them; the trial load also proves the artifact loads.
+            cache lacks them does not compile them; the trial load also proves the artifact loads (when it fails,
+            a warning says why and the artifact ships no kernels).
     """
     from .models.default_model import load_model, resolve_model_path
     from .optimize import optimize, restore, split_method_options
@@ -289,10 +294,16 @@ def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[st
 
 
 def _ship_kernels(out: Path, timer: PhaseTimer) -> None:
-    """Add the trial load's Triton kernels to the written artifact (files hashed, manifest rewritten)."""
+    """Add the trial load's Triton kernels to the written artifact (files hashed, manifest rewritten). A trial load
+    that fails (a second copy of the weights may not fit beside the exporting process's model) leaves the artifact
+    without kernels, with a warning that says why: a loading process then compiles them on first use."""
     from .serving.artifact_kernels import KERNELS, compile_kernels
 
-    shipped = compile_kernels(out)
+    try:
+        shipped = compile_kernels(out)
+    except (ArtifactError, subprocess.TimeoutExpired) as err:
+        log.warning("the artifact in %s ships no Triton kernels and was not trial-loaded: %s", out, err)
+        return
     timer.done("trial_load")
     manifest = read(out)
     manifest["files"].update(hash_files(out, shipped))

@@ -20,11 +20,11 @@
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# #17: `export_point` (METHOD=snapkv: export time, load phases after the tokenizer change, 128K x 4 decode), then
-# `export_tests` with K="quest or h2o" (AOTI fp32 equality; h2o passed in the exported form 2026-12-01);
-# `burst_compiled` (#13: the compiled mixed-step forward against the 3x target),
-# `profile` (#14), the KIVI largest batch (kivi_bench.py --stage capacity --quick, #20), `verify` as time allows.
-# (Ran 2026-12-01 evening: `export` (AOTI loads with the libstdc++ fix), `export_bench` FORM=aoti, `export_load`.)
+# #17: `export_tests` (all 9 tests, N=6, ~6 min: the trial load that ships Triton kernels and the fallback form's
+# cache fix are unverified on the GPU), `export_point` METHOD=quest (load with shipped kernels in a cold Triton
+# cache against 10.47 s; 128K x 4 with kernel profiles of both systems against 95.4 %), METHOD=vanilla
+# POINTS=131072x4 if time allows; then `burst_compiled` (#13), `profile` (#14), KIVI largest batch (#20), `verify`.
+# (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest.)
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
@@ -135,6 +135,7 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
   # POINTS, tokens with the top-2 gap at the first difference. METHOD=snapkv|quest|vanilla, POINTS=131072x4 (~8 min)
   timeout 580 python3 benchmarks/export.py --methods "${METHOD:-snapkv}" --form aoti --points "${POINTS:-131072x4}" \
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
+    --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
 *) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
 esac
