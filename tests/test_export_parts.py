@@ -248,23 +248,28 @@ def test_the_artifact_tokenizer_loads_through_its_recorded_class_or_autotokenize
 
 
 def test_shipped_kernels_fill_only_the_entries_missing_from_the_triton_cache(tmp_path, monkeypatch):
-    """``load`` copies an artifact's ``kernels/`` entries (Triton cache entries, named by Triton's key) into this
-    process's Triton cache: a missing entry whole, an entry already there untouched, nothing half-written."""
+    """``load`` copies an artifact's ``kernels/`` entries (Triton cache entries, written here by Triton's own cache
+    manager as the export's trial load does) into this process's Triton cache: a missing entry whole, its group
+    file (members by absolute path) pointed at the copies so Triton finds them, an entry already there untouched,
+    nothing half-written."""
+    cache_module = pytest.importorskip("triton.runtime.cache")
     from sparsecompile.serving.artifact_kernels import install_kernels, triton_cache_dir
     from sparsecompile.serving.manifest import ArtifactError
 
-    shipped = tmp_path / "artifact" / "kernels"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "artifact" / "kernels"))
     for key in ("AAAA", "BBBB"):
-        (shipped / key).mkdir(parents=True)
-        (shipped / key / "k.cubin").write_bytes(key.encode() * 3)
-        (shipped / key / "__grp__k.json").write_text("{}")
+        manager = cache_module.FileCacheManager(key)
+        members = {"k.cubin": manager.put(key.encode() * 3, "k.cubin"), "k.json": manager.put("{}", "k.json")}
+        manager.put_group("k.json", members)
     cache = tmp_path / "triton"
     (cache / "BBBB").mkdir(parents=True)
     (cache / "BBBB" / "k.cubin").write_bytes(b"this process's own")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     assert triton_cache_dir() == cache
     assert install_kernels(tmp_path / "artifact", {"kernels": "kernels"}) == 1
-    assert (cache / "AAAA" / "k.cubin").read_bytes() == b"AAAAAAAAAAAA" and (cache / "AAAA" / "__grp__k.json").exists()
+    assert cache_module.FileCacheManager("AAAA").get_group("k.json") == {
+        "k.cubin": str(cache / "AAAA" / "k.cubin"), "k.json": str(cache / "AAAA" / "k.json")}
+    assert (cache / "AAAA" / "k.cubin").read_bytes() == b"AAAAAAAAAAAA"
     assert (cache / "BBBB" / "k.cubin").read_bytes() == b"this process's own"
     assert sorted(p.name for p in cache.iterdir()) == ["AAAA", "BBBB"]  # no staging directory left behind
     assert install_kernels(tmp_path / "artifact", {"kernels": "kernels"}) == 0

@@ -3,20 +3,23 @@
 An AOTInductor package embeds inductor's kernels as cubins, but sparsecompile's ops (``kv_write``,
 ``paged_attention``, Quest's page scores, ``topk_select``, ...) are ``torch.library`` ops that launch Triton
 kernels through Triton's JIT: the package calls them back through its proxy executor. In a process whose Triton
-cache lacks those kernels, the first decode step compiles each of them, about a second apiece: the load phase that
-captures the decode CUDA graphs took 3.7-5.4 s of an 8.9-10.5 s load-to-first-token on the H200 (8B shape, snapkv
-and quest), and 0.7-9.3 s in the 2-layer GPU tests depending on whether an earlier test had warmed the cache.
+cache lacks those kernels, the first steps compile them. The load phase that captures the decode CUDA graphs took
+3.7-5.4 s of an 8.9-10.5 s load-to-first-token on the H200 (8B shape, snapkv and quest) and 0.7-9.3 s in the
+2-layer GPU tests, depending on whether earlier tests had warmed the Triton cache: most of it is likely those
+compiles.
 
 So ``export`` loads the fresh artifact once in a child process whose Triton cache is the artifact's ``kernels/``
 directory (a trial load, decode graphs captured, one short prompt generated: it also proves the artifact loads),
 and ships what Triton wrote there. ``load`` copies each entry missing from this process's Triton cache into it
-before the first step. Entries are named by Triton's own cache key (source, compile options, target, Triton
-version), so a copied entry is used exactly where this process would have compiled the same kernel, and never
-otherwise; the manifest's file hashes cover the shipped files like every other one.
+before the first step, re-pointing Triton's group files (they name their members by absolute path). Entries are
+named by Triton's own cache key (source, compile options, target, Triton version), so a copied entry is used
+exactly where this process would have compiled the same kernel, and never otherwise; the manifest's file hashes
+cover the shipped files like every other one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -67,6 +70,17 @@ def compile_kernels(root: Path, prompt_tokens: int = 40, timeout: float = 900) -
     return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file())
 
 
+def _repoint_groups(entry: Path, final: Path) -> None:
+    """Triton's group files (``__grp__<name>.json``) list their members by absolute path, and Triton treats a group
+    whose members do not exist as a miss: point them at the entry's final directory in this cache."""
+    for group in entry.glob("__grp__*.json"):
+        data = json.loads(group.read_text())
+        members = data.get("child_paths")
+        if isinstance(members, dict):
+            data["child_paths"] = {name: str(final / Path(path).name) for name, path in members.items()}
+            group.write_text(json.dumps(data))
+
+
 def install_kernels(root: Path, manifest: dict) -> int:
     """Copy the artifact's shipped kernel entries missing from this process's Triton cache into it (each through
     a temporary directory and one rename, so a concurrent process never sees half an entry); returns how many."""
@@ -84,6 +98,7 @@ def install_kernels(root: Path, manifest: dict) -> int:
         staging = Path(tempfile.mkdtemp(prefix=f"tmp.{entry.name[:16]}.", dir=cache))
         try:
             shutil.copytree(entry, staging, dirs_exist_ok=True)
+            _repoint_groups(staging, cache / entry.name)
             os.replace(staging, cache / entry.name)
             copied += 1
         except OSError:  # another process installed it first: theirs is the same entry
