@@ -140,13 +140,14 @@ def test_exported_programs_step_like_the_eager_engine(method, options):
         token = want[:, -1].argmax(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("method,options", [("quest", {"budget": 24, "dense_layers": 1}),
-                                            ("omnikv", {"budget": 24, "filter_layers": "0"})])
-def test_a_loaded_artifact_binds_the_buffers_its_method_creates_in_the_first_step(method, options, tmp_path):
-    """Quest's and OmniKV's read counters are created by the first decode step's host hook, so the export holds
-    them in the decode program's state and a freshly loaded KV core does not, until load runs a padding-only step
-    before binding. Fallback form run as plain torch.export programs (nothing compiled); selecting budgets."""
+def test_a_loaded_artifact_binds_the_buffers_its_method_creates_in_the_first_step(tmp_path):
+    """Quest's (and OmniKV's, the same ``ReadCounter``) read counters are created by the first decode step's host
+    hook, so the export holds them in the decode program's state and a freshly loaded KV core does not, until load
+    runs a padding-only step before binding. Fallback form run as plain torch.export programs (nothing compiled);
+    a selecting budget."""
     from tiny_models import word_tokenizer
+
+    method, options = "quest", {"budget": 24, "dense_layers": 1}
 
     _, model = tiny_pair("llama")
     engine = dict(max_num_seqs=4, max_model_len=128, page_size=4, prefill_chunk_size=32, **options)
