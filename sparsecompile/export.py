@@ -280,11 +280,8 @@ def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[st
     runner = ExportedProgramRunner(out / spec["file"], loaded, len(spec["inputs"]), spec["inductor"],
                                    per_page_inputs(spec))
     decode = ArtifactDecode(runner, controller, spec["state"])
-    decode.bind_state()
     controller.install_decode_step(decode)
-    empty = torch.zeros(0, 1, dtype=torch.long, device=controller.layout.device)
-    for batch in buckets:
-        controller.decode(None, [], empty, empty, pad_to=batch)
+    decode.padding_steps(buckets)
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         raise ArtifactError("torch.compiler.save_cache_artifacts returned nothing after compiling the decode program")

@@ -224,7 +224,7 @@ class ArtifactDecode:
         """One decode step of padding rows only (nothing is read or written: the padding row holds no slot). The
         step's host hooks create the method's lazily sized buffers (Quest's and OmniKV's read counters), then the
         program's state binds to them: a state this KV core does not hold fails the load, not the first request."""
-        self._padding_steps([1])
+        self.padding_steps([1])
 
     def capture(self, buckets: list[int]) -> None:
         """One CUDA graph per decode batch size, recorded over padding-only steps (as :meth:`warm_up`), largest
@@ -232,11 +232,12 @@ class ArtifactDecode:
         self._pool = torch.cuda.graph_pool_handle()
         self._capture = True
         try:
-            self._padding_steps(sorted(set(buckets), reverse=True))
+            self.padding_steps(sorted(set(buckets), reverse=True))
         finally:
             self._capture = False
 
-    def _padding_steps(self, batches: list[int]) -> None:
+    def padding_steps(self, batches: list[int]) -> None:
+        """One decode step of padding rows at each batch size of ``batches`` (binds the state on the first)."""
         empty = torch.zeros(0, 1, dtype=torch.long, device=self.controller.layout.device)
         for batch in batches:
             self.controller.decode(None, [], empty, empty, pad_to=batch)
@@ -296,8 +297,8 @@ class PhaseTimer:
     """Seconds per phase of a load (``engine.load_timings``) or an export (the manifest's ``export_seconds``); on
     CUDA a phase ends with a synchronize, so its copies and kernels count in the phase that issued them."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
         self.seconds: dict[str, float] = {}
         self._last = time.perf_counter()
 
