@@ -23,7 +23,7 @@ from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_notice, compile_step, static_address
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .mixed import MixedForward, MixedStep
-from .row_ops import RowOperations, capacity_bucket
+from .row_ops import RowOperations, capacity_bucket, table_width
 from .step import StepState, valid_tokens
 
 InnerForward = Callable[..., torch.Tensor]
@@ -73,7 +73,8 @@ class SparseController(RowOperations, MixedForward):
         widest = math.ceil(max(per_seq) / self.layout.page_size)
         if self.manager is None:
             num_pages = self.config.num_pages or capacity_bucket(pages)
-            self.manager = CacheManager(self.layout, num_pages, capacity_bucket(batch), capacity_bucket(widest))
+            width = table_width(capacity_bucket(widest))
+            self.manager = CacheManager(self.layout, num_pages, capacity_bucket(batch), width)
             self.runtime.setup(self.manager)
             return
         m = self.manager
@@ -82,7 +83,7 @@ class SparseController(RowOperations, MixedForward):
         short = pages > free and self.config.num_pages is None
         if rows > m.max_seqs or widest > m.max_pages_per_seq or short:
             grown = capacity_bucket(m.num_pages - free + pages) if short else m.num_pages
-            m.grow(grown, capacity_bucket(rows), capacity_bucket(widest))
+            m.grow(grown, capacity_bucket(rows), table_width(capacity_bucket(widest)))
             self._decode_steps.clear()
 
     def configure_pool(self, num_pages: int) -> None:
@@ -121,7 +122,7 @@ class SparseController(RowOperations, MixedForward):
                 raise
             need = m.pages_needed(step.row_ids, counts)
             widest = math.ceil(int(counts.max()) / self.layout.page_size)
-            m.grow(capacity_bucket(m.allocator.num_used + need), m.max_seqs, capacity_bucket(widest))
+            m.grow(capacity_bucket(m.allocator.num_used + need), m.max_seqs, table_width(capacity_bucket(widest)))
             self._decode_steps.clear()
             m.ensure_slots(step.row_ids, counts)
         return before

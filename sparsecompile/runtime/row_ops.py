@@ -25,6 +25,14 @@ def capacity_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def table_width(pages: int) -> int:
+    """Block-table width for rows of up to ``pages`` pages: a multiple of 16, so that the rows of the table and of
+    everything shaped like it (Quest's page scores) start 64-byte aligned, which Triton specialises its loads on.
+    At 128K on the H200 an odd width (8,207 pages) made Quest's top-k select take 42 us instead of 32
+    (``benchmarks/results/topk_width_h200.jsonl``)."""
+    return -(-max(1, pages) // 16) * 16
+
+
 class RowOperations:
     """Mixed into :class:`~.controller.SparseController`, whose state it uses: ``manager``, ``runtime``, ``layout``,
     ``config`` and the compiled decode steps keyed by capacity (cleared when the pool grows)."""

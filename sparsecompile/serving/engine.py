@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import ServingConfig
 from ..runtime.compilation import allow_recompiles
+from ..runtime.row_ops import table_width
 from .detokenizer import Detokenizer
 from .interface import ServedModel
 from .logprobs import LogprobRecorder
@@ -93,7 +94,7 @@ class LLMEngine(StepForwards):
         rows = max_num_seqs + idle_rows + 1  # the running requests, the idle chains and the decode padding row
         num_pages = c.config.num_pages or pages_from_memory(c, kv_budget_bytes(config, self.device),
                                                             self.max_model_len, max_num_seqs, rows)
-        widest = math.ceil((self.max_model_len + 1) / c.layout.page_size)
+        widest = table_width(math.ceil((self.max_model_len + 1) / c.layout.page_size))
         self.manager = c.build_pool(num_pages, rows, widest)
         self.reuse = KVReuse(c, fingerprint(c, self.model_name), prefix_caching=config.enable_prefix_caching,
                              max_idle_chains=idle_rows)
