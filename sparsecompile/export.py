@@ -75,8 +75,9 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             package crashed its process at load until packages linked the shared libstdc++ (the image's compiler
             links it statically: ``serving/aoti_linkage.py``); they load there now, and a package that does not
             link it is refused at export and at load.
-        compile_cache: with ``form="exported"``, compile the decode program once per batch bucket here and ship
-            the ``torch.compiler`` cache artifacts, so the loading process compiles it warm (False: it runs eagerly).
+        compile_cache: with ``form="exported"``, compile the decode program at every batch bucket in a fresh
+            child process that loads the artifact, and ship its ``torch.compiler`` cache artifacts, so a loading
+            process compiles it warm (False: it runs eagerly).
         kernels: on CUDA, trial-load the artifact in a child process and ship the Triton kernels of sparsecompile's
             own ops it compiled (``kernels/``, ``serving/artifact_kernels.py``), so a load on a machine whose Triton
             cache lacks them does not compile them; the trial load also proves the artifact loads (when it fails,
@@ -107,6 +108,8 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
                               compile_cache, timer)
     finally:
         restore(model)  # the programs hold what they need; give the model back as it came
+    if form == "exported" and compile_cache:
+        _ship_compile_cache(out, timer)
     if kernels and read(out)["device"]["type"] == "cuda":
         _ship_kernels(out, timer)
     return out
@@ -166,9 +169,8 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
         timer.done(f"{'compile' if form == 'aoti' else 'save'}_{key}")
     weights = _save_weights(programs.values(), out / "weights.safetensors")
     timer.done("weights")
-    if form == "exported" and compile_cache:
-        files.append(_compile_cache(out, specs["decode"], controller, weights, engine.graph_sizes))
-        timer.done("compile_cache")
+    if form == "exported" and compile_cache:  # the loader compiles the decode program with these options
+        specs["decode"]["inductor"] = {k: v for k, v in configs.items() if k != "aot_inductor.package_constants_in_so"}
     tokenizer.save_pretrained(str(out / "tokenizer"))
     files += [str(p.relative_to(out)) for p in sorted((out / "tokenizer").rglob("*")) if p.is_file()]
     model.config.to_json_file(str(out / "config.json"))
@@ -262,32 +264,20 @@ def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: di
     shutil.copyfile(cached, target)
 
 
-def _compile_cache(out: Path, spec: dict[str, Any], controller, weights: dict[str, Any], buckets: list[int]) -> str:
-    """The fallback form's warm start: compile the saved decode program exactly as ``load`` will (loaded from disk,
-    same inductor options, pool pages dynamic) at every batch bucket, over padding-only steps that change nothing,
-    and save the compiler's cache artifacts next to it; returns the file name.
+def _ship_compile_cache(out: Path, timer: PhaseTimer) -> None:
+    """The fallback form's warm start: the decode program's compile cache, made by a fresh process that loads the
+    written artifact and compiles every batch bucket (``serving/artifact_kernels.py`` says why not this process);
+    the file is hashed into the manifest. Loading the artifact also covers the weights as the loader reads them
+    (on CUDA inductor keys a graph on its parameters' storage offsets and sizes)."""
+    from .serving.artifact_kernels import compile_decode_cache
 
-    The weights are the saved file read back by the loader's own reader (``weights``: the manifest's entry), not
-    the model's tensors: on CUDA inductor keys a graph on its parameters' storage offsets and storage sizes, and the
-    loader's weights are views of one buffer, so a compile over the model's own tensors was never a hit at load
-    (fx-graph-cache misses on the H200)."""
-    from .serving.artifact import ArtifactDecode, ExportedProgramRunner, load_weights, per_page_inputs
-
-    spec["inductor"] = _inductor_configs(controller.runtime.reads_pool_across_layers)
-    spec["inductor"].pop("aot_inductor.package_constants_in_so")
-    torch.compiler.reset()
-    loaded = load_weights(out, {"weights": weights}, controller.layout.device)
-    runner = ExportedProgramRunner(out / spec["file"], loaded, len(spec["inputs"]), spec["inductor"],
-                                   per_page_inputs(spec))
-    decode = ArtifactDecode(runner, controller, spec["state"])
-    controller.install_decode_step(decode)
-    decode.padding_steps(buckets)
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        raise ArtifactError("torch.compiler.save_cache_artifacts returned nothing after compiling the decode program")
-    spec["compile_cache"] = "decode.cache.bin"
-    (out / spec["compile_cache"]).write_bytes(saved[0])
-    return spec["compile_cache"]
+    file = compile_decode_cache(out, "decode.cache.bin")
+    timer.done("compile_cache")
+    manifest = read(out)
+    manifest["programs"]["decode"]["compile_cache"] = file
+    manifest["files"].update(hash_files(out, [file]))
+    manifest["export_seconds"] = timer.seconds
+    write(out, manifest)
 
 
 def _ship_kernels(out: Path, timer: PhaseTimer) -> None:

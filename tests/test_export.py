@@ -217,9 +217,10 @@ def test_the_exported_form_starts_warm_from_its_shipped_compile_cache(tmp_path):
     """The fallback form (torch.export programs, for hosts where AOTI packages do not load) serves the eager
     engine's tokens, and with its ``compile_cache`` a fresh process with an empty cache directory compiles the decode
     program as a hit of the shipped cache artifacts only (tiny model; the form run eagerly,
-    ``compile_cache=False``, is ``test_export_parts``' binding test). The export compiles over
-    the weights as the loader reads them back: on CUDA inductor keys graphs on their parameters' storage offsets,
-    and a compile over the model's own tensors missed at load on the H200."""
+    ``compile_cache=False``, is ``test_export_parts``' binding test). The cache comes from a fresh process that
+    loads the artifact: compiled in the exporting process, it missed here after the earlier test files' compiles
+    (inductor's key follows the traced graph's node names), and on CUDA over the model's own tensors instead of the
+    weights as the loader reads them (the key covers storage offsets)."""
     from tiny_models import tiny_pair, word_tokenizer
 
     _, model = tiny_pair("llama")

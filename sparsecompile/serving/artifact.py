@@ -113,9 +113,10 @@ class ExportedProgramRunner:
     """The fallback form: a ``torch.export`` program with the artifact's weights as its parameters.
 
     ``leading``: the program takes that many tensors, then the rest as one tuple (the decode step's state).
-    ``compile``: None (run the program as it is) or the inductor options it was compiled with at export; the
-    compile then starts warm from the shipped cache artifacts (same graph, same options, same dynamic dims:
-    ``dynamic`` lists the flat inputs whose first dimension is the pool's page count).
+    ``compile``: None (run the program as it is) or the inductor options to compile it with (the manifest's); it
+    then starts warm from the shipped cache artifacts, made by a fresh process that compiled the same graph with
+    the same options and dynamic dims (``dynamic`` lists the flat inputs whose first dimension is the pool's page
+    count).
     """
 
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], leading: int | None,
@@ -157,8 +158,7 @@ def open_program(root: Path, manifest: dict[str, Any], name: str, device: torch.
     if cache:
         torch.compiler.load_cache_artifacts((root / cache).read_bytes())
     leading = len(spec["inputs"]) if "state" in spec else None
-    return ExportedProgramRunner(path, weights, leading, spec.get("inductor") if cache else None,
-                                 per_page_inputs(spec))
+    return ExportedProgramRunner(path, weights, leading, spec.get("inductor"), per_page_inputs(spec))
 
 
 def per_page_inputs(spec: dict[str, Any]) -> list[int]:

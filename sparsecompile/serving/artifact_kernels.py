@@ -1,4 +1,5 @@
-"""The Triton kernels of sparsecompile's own ops, shipped inside a CUDA artifact.
+"""What a fresh loading process would compile, compiled at export by a child process and shipped in the artifact:
+the Triton kernels of sparsecompile's own ops (CUDA) and the fallback form's inductor compile cache.
 
 An AOTInductor package embeds inductor's kernels as cubins, but sparsecompile's ops (``kv_write``,
 ``paged_attention``, Quest's page scores, ``topk_select``, ...) are ``torch.library`` ops that launch Triton
@@ -15,6 +16,12 @@ before the first step, re-pointing Triton's group files (they name their members
 named by Triton's own cache key (source, compile options, target, Triton version), so a copied entry is used
 exactly where this process would have compiled the same kernel, and never otherwise; the manifest's file hashes
 cover the shipped files like every other one.
+
+The fallback form (``torch.export`` programs compiled at load) ships the compiler's cache artifacts
+(``torch.compiler.save_cache_artifacts``) of its decode program, and they too come from a child process that
+loads the artifact with empty compile caches and compiles every batch bucket: inductor's cache key covers the
+traced graph, whose node names follow counters of the process that traced it, so a compile in the exporting
+process (which may have compiled other graphs before) missed in a fresh loading process.
 """
 
 from __future__ import annotations
@@ -41,6 +48,39 @@ llm.generate([prompt, prompt[:-5]], sparsecompile.SamplingParams(temperature=0, 
 """
 
 
+_COMPILE = r"""
+import sys
+import torch
+import sparsecompile
+llm = sparsecompile.load(sys.argv[1], kv_cache_memory=int(sys.argv[2]))  # compiles batch 1 (the load's warm-up)
+engine = llm.llm_engine
+engine.controller._compiled_decode.padding_steps(engine.graph_sizes)  # and every other bucket
+saved = torch.compiler.save_cache_artifacts()
+if saved is None:
+    sys.exit("torch.compiler.save_cache_artifacts returned nothing after compiling the decode program")
+open(sys.argv[3], "wb").write(saved[0])
+"""
+
+
+def _child(script: str, args: list[str], env: dict[str, str], timeout: float, what: str) -> None:
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise ArtifactError(f"{what} failed:\n{done.stderr[-3000:]}")
+
+
+def compile_decode_cache(root: Path, file: str, timeout: float = 900) -> str:
+    """Compile the fallback form's decode program at every batch bucket in a child process that loads the artifact
+    in ``root`` with empty compile caches, and write its cache artifacts to ``root/file``; returns ``file``."""
+    with tempfile.TemporaryDirectory(prefix="sc-compile-") as cold:
+        env = {name: str(Path(cold) / name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        _child(_COMPILE, [str(root), str(TRIAL_KV_BYTES), str(root / file)], env, timeout,
+               "compiling the exported decode program in a fresh process")
+    return file
+
+
 def triton_cache_dir() -> Path:
     """This process's Triton cache directory (``TRITON_CACHE_DIR``, else Triton's default)."""
     try:
@@ -57,14 +97,8 @@ def compile_kernels(root: Path, prompt_tokens: int = 40, timeout: float = 900) -
     target = root / KERNELS
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir()
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "TRITON_CACHE_DIR": str(target),
-           "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _TRIAL, str(root), str(TRIAL_KV_BYTES), str(prompt_tokens)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
-    if done.returncode != 0:
-        raise ArtifactError(f"the trial load of the exported artifact failed (it would fail to serve):\n"
-                            f"{done.stderr[-3000:]}")
+    _child(_TRIAL, [str(root), str(TRIAL_KV_BYTES), str(prompt_tokens)], {"TRITON_CACHE_DIR": str(target)}, timeout,
+           "the trial load of the exported artifact")
     for stray in [p for p in target.rglob("*") if p.name == "lock" or p.name.startswith("tmp.")]:
         shutil.rmtree(stray) if stray.is_dir() else stray.unlink()
     return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file())
