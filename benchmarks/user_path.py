@@ -5,8 +5,9 @@
 
 Per (method, context, batch) point, through the public API only (random bf16 weights, random prompt ids):
 
-* ``generate_tok_s = batch x (N - 1) / (t(generate N tokens) - t(generate 1 token))``: two timed calls after a
-  first (compiling) call, each with its own prefill, so the difference is decode;
+* ``generate_tok_s = batch x (N - 1) / (t(generate N tokens) - t(generate 1 token))``: timed calls after a
+  first (compiling) call, each with its own prefill, so the difference is decode; each time is the median of
+  ``--repeats`` calls (alternating) at points of up to 128K tokens in the batch, one call above;
 * ``engine_tok_s``: the compiled engine step from a synthetically filled cache (``decode.engine_point``), same run;
 * ``first_call_extra_s = t(first generate N) - t(generate N)`` (compile and capture on the first call);
 * ``warm_process_extra_s`` (``--warm-process``, 32K x 1 points): a new Python process (this script with ``--child``)
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -44,13 +46,19 @@ def _timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def generate_point(model, method: str, context: int, batch: int, new_tokens: int) -> dict:
+def generate_point(model, method: str, context: int, batch: int, new_tokens: int, repeats: int = 1) -> dict:
+    """``repeats`` pairs of timed calls, alternating one token and ``new_tokens``, medians of each: both times hold
+    a prefill whose run-to-run spread (0.5 s at 32K on the H200, 2026-12-01) is several decode steps' worth, so
+    a single pair can misstate decode by 10 % at 64 tokens."""
     sparsecompile.optimize(model, method, **METHOD_OPTIONS[method])
     ids = torch.randint(3, 1000, (batch, context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     try:
         first = _timed_generate(model, ids, new_tokens)
-        one = _timed_generate(model, ids, 1)
-        full = _timed_generate(model, ids, new_tokens)
+        ones, fulls = [], []
+        for _ in range(repeats):
+            ones.append(_timed_generate(model, ids, 1))
+            fulls.append(_timed_generate(model, ids, new_tokens))
+        one, full = statistics.median(ones), statistics.median(fulls)
         from torch._dynamo.utils import counters
 
         skips = int(counters["inductor"]["cudagraph_skips"])
@@ -59,6 +67,7 @@ def generate_point(model, method: str, context: int, batch: int, new_tokens: int
         torch.cuda.empty_cache()
     return {"method": method, "context": context, "batch": batch, "new_tokens": new_tokens,
             "generate_tok_s": batch * (new_tokens - 1) / (full - one), "t_one_s": one, "t_full_s": full,
+            "t_one_runs_s": [round(t, 4) for t in ones], "t_full_runs_s": [round(t, 4) for t in fulls],
             "first_call_extra_s": first - full, "cudagraph_skips": skips}
 
 
@@ -67,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model = build_model(args.layers)
     built = time.perf_counter() - start
-    row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens)
+    row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens, 1)
     row["build_s"] = built
     print("CHILD " + json.dumps(row), flush=True)
 
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", default="32768x1,32768x16,131072x1,131072x4")
     parser.add_argument("--new-tokens", type=int, default=129)
     parser.add_argument("--steps", type=int, default=128, help="timed engine steps")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generate() pairs per point up to 128K tokens "
+                                                             "in the batch (medians); larger points time one pair")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-step rows")
     parser.add_argument("--warm-process", action="store_true", help="measure a new process with warm caches "
                                                                     "(32K x 1 points)")
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         context, batch = map(int, point.split("x"))
         for method in args.methods.split(","):
             try:
-                row = generate_point(model, method, context, batch, args.new_tokens)
+                repeats = args.repeats if context * batch <= 32768 * 4 else 1  # a 128K x 4 prefill takes 47 s
+                row = generate_point(model, method, context, batch, args.new_tokens, repeats)
                 if not args.no_engine:
                     engine = engine_point(model, method, context, batch, 16, args.steps, wbytes, 1.0)
                     row["engine_tok_s"] = engine.tok_s

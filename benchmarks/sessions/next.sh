@@ -20,11 +20,12 @@
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# #17: `export_tests` (all 9 tests, N=6, ~6 min: the trial load that ships Triton kernels and the fallback form's
-# cache fix are unverified on the GPU), `export_point` METHOD=quest (load with shipped kernels in a cold Triton
-# cache against 10.47 s; 128K x 4 with kernel profiles of both systems against 95.4 %), METHOD=vanilla
-# POINTS=131072x4 if time allows; then `burst_compiled` (#13), `profile` (#14), KIVI largest batch (#20), `verify`.
-# (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest.)
+# #17's last figures: `METHOD=vanilla POINTS=32768x1,131072x4 STAGES=export,first-token,decode ... export_point`
+# (~7 min: vanilla's load with shipped kernels, both decode points from one export); then `burst_compiled` (#13),
+# `profile` (#14, medians of 3 generate() pairs now), KIVI largest batch (#20), `verify`.
+# (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
+# 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
+# STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops.)
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
@@ -96,8 +97,8 @@ verify)
     > "$OUT/gpu_tests_verify.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify.log" | tail -12 ;;
 profile)
-  timeout -s INT 540 python3 benchmarks/user_path.py --methods snapkv,vanilla --points 32768x1 --new-tokens 65 \
-    --steps 64 --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"; tail -8 "$OUT/user_path.log" | cut -c1-250 ;;
+  timeout -s INT 540 python3 benchmarks/user_path.py --methods snapkv,vanilla --points 32768x1 --new-tokens 129 \
+    --repeats 3 --steps 64 --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"; tail -8 "$OUT/user_path.log" | cut -c1-250 ;;
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
@@ -133,7 +134,9 @@ export_tests)  # #17 fp32 token equality of AOTI artifacts, every method side by
   echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error|export_s" "$OUT/gpu_tests_export.log" | cut -c1-400 | tail -24 ;;
 export_point)  # #17 one method end to end: export, load phases (tokenizer by its class), decode vs compiled at
   # POINTS, tokens with the top-2 gap at the first difference. METHOD=snapkv|quest|vanilla, POINTS=131072x4 (~8 min)
-  timeout 580 python3 benchmarks/export.py --methods "${METHOD:-snapkv}" --form aoti --points "${POINTS:-131072x4}" \
+  [ -n "${WIDTH:-}" ] && python3 benchmarks/sessions/topk_width.py | tee "$OUT/topk_width_h200.jsonl"  # ~15 s
+  timeout 560 python3 benchmarks/export.py --methods "${METHOD:-snapkv}" --form aoti --points "${POINTS:-131072x4}" \
+    ${STAGES:+--stages "$STAGES"} \
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
