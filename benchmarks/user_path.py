@@ -71,6 +71,16 @@ def generate_point(model, method: str, context: int, batch: int, new_tokens: int
             "first_call_extra_s": first - full, "cudagraph_skips": skips}
 
 
+def compile_phases() -> dict[str, float]:
+    """Where this process's compile time went (dynamo's own phase timers, summed): e.g. ``bytecode_tracing``
+    (dynamo), ``AOTAutogradCache.inductor_load`` / ``PyCodeCache.load_by_key_path`` (a cached graph's code loaded),
+    ``compile_file`` (C++ / Triton compiles)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {name: round(float(value), 3) for name, value in zip(names, values) if float(value) >= 0.05}
+
+
 def child(args: argparse.Namespace) -> None:
     """A fresh process: model, optimize, first and second generate; prints one JSON line."""
     start = time.perf_counter()
@@ -78,6 +88,7 @@ def child(args: argparse.Namespace) -> None:
     built = time.perf_counter() - start
     row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens, 1)
     row["build_s"] = built
+    row["compile_phases_s"] = compile_phases()
     print("CHILD " + json.dumps(row), flush=True)
 
 
@@ -90,7 +101,9 @@ def warm_process_extra(args: argparse.Namespace, method: str, context: int, batc
     if line is None:
         print(done.stderr[-2000:], file=sys.stderr)
         return None
-    return json.loads(line[len("CHILD "):])["first_call_extra_s"]
+    row = json.loads(line[len("CHILD "):])
+    print(f"warm process compile phases ({method}): {row['compile_phases_s']}", flush=True)
+    return row["first_call_extra_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
