@@ -9,7 +9,7 @@
 #   bash benchmarks/sessions/next.sh e2e_b      # #13 e2e pyramidkv, omnikv, streamingllm (+ HF eager); burst (ran 2026-12-01) ~5 min
 #   bash benchmarks/sessions/next.sh llm        # #13 LLM rows after the chunk fix (4 methods, 32K / 128K); batch 4 rows  ~8 min
 #   bash benchmarks/sessions/next.sh burst      # #13 serving burst with the prompt cap beside decodes (512, 256)       ~4 min
-#   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8 (radix bits), quest scores ~2 min
+#   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8, quest scores; topk warps ~1 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
 #   bash benchmarks/sessions/next.sh burst_compiled  # #13 burst, capped vs compile_prefill (512, 256)        ~8 min
@@ -22,7 +22,7 @@
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # #17's last figures: `METHOD=vanilla POINTS=32768x1,131072x4 STAGES=export,first-token,decode ... export_point`
 # (~7 min: vanilla's load with shipped kernels, both decode points from one export); then `burst_compiled` (#13),
-# `profile` (#14, medians of 3 generate() pairs now), KIVI largest batch (#20), `verify`.
+# `profile` (#14, medians of 3 generate() pairs now), `ops` (topk warps sweep), KIVI largest batch (#20), `verify`.
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops.)
@@ -89,9 +89,11 @@ kivi_fix)  # #20 after the in-place commit: the 128K x 4 points
   timeout 400 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4,snapkv+kivi:131072x4,kivi2:32768x1 \
     --out "$OUT/kivi_h200_b.jsonl" > "$OUT/kivi_b.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_b.log" | tail -12
   grep '"tok_s"' "$OUT/kivi_h200_b.jsonl" | cut -c1-260 ;;
-ops)
+ops)  # + the top-k select's warps at Quest's widths (16 warps for a 16K tile today; 8K tiles take 23 us, 16K 32-34)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
-  echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220 ;;
+  echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220
+  timeout 120 python3 benchmarks/sessions/topk_width.py 4,8,16,32 > "$OUT/topk_warps_h200.jsonl"; echo "warps rc=$?"
+  cat "$OUT/topk_warps_h200.jsonl" ;;
 verify)
   timeout -s INT 540 $P tests/gpu tests/test_eviction_kernels.py --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
     > "$OUT/gpu_tests_verify.log" 2>&1

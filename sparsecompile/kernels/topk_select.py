@@ -151,12 +151,12 @@ if triton is not None:
 
 
 def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384,
-                       radix_bits: int = 1) -> torch.Tensor:
+                       radix_bits: int = 1, num_warps: int | None = None) -> torch.Tensor:
     """CUDA implementation with the semantics of :func:`topk_select_reference`.
 
     Rows of up to ``max_tile`` scores: the Triton radix select, one program per row, ``radix_bits`` 1 or 8 a
     pass. Longer rows (OmniKV's prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads a row
-    over many blocks.
+    over many blocks. ``num_warps``: the program's warps (None: 4, 8 or 16 by tile size; benchmarks sweep it).
     """
     if radix_bits not in (1, 8):
         raise ValueError(f"radix_bits is 1 or 8, got {radix_bits}")
@@ -172,7 +172,7 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
     _topk_select_kernel[(batch * heads,)](
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
         out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, RADIX_BITS=radix_bits,
-        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4,
+        num_warps=num_warps or (16 if block >= 16384 else 8 if block >= 4096 else 4),
     )
     return out
 
