@@ -21,7 +21,8 @@
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # #17's last figures: `METHOD=vanilla POINTS=32768x1,131072x4 STAGES=export,first-token,decode ... export_point`
-# (~7 min: vanilla's load with shipped kernels, both decode points from one export); then `burst_compiled` (#13),
+# (~7 min: vanilla's load with shipped kernels, both decode points from one export), `K=exported_form N=1
+# export_tests` (~3 min: the fallback form's compile cache now comes from a child process); then `burst_compiled` (#13),
 # `profile` (#14, medians of 3 generate() pairs now), `ops` (topk warps sweep), KIVI largest batch (#20), `verify`.
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
