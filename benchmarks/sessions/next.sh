@@ -11,7 +11,7 @@
 #   bash benchmarks/sessions/next.sh burst      # #13 serving burst with the prompt cap beside decodes (512, 256)       ~4 min
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8, quest scores; topk warps ~1 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
-#   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine, same run)   ~6 min
+#   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine; warm process) ~6 min
 #   bash benchmarks/sessions/next.sh burst_compiled  # #13 burst, capped vs compile_prefill (512, 256)        ~8 min
 #   bash benchmarks/sessions/next.sh export     # #17 AOTI probe with the libstdc++ link fix; export GPU tests     ~8 min
 #   bash benchmarks/sessions/next.sh export_bench  # #17 8B vanilla export / load to first token / decode (FORM=) ~9 min
@@ -101,7 +101,8 @@ verify)
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify.log" | tail -12 ;;
 profile)
   timeout -s INT 540 python3 benchmarks/user_path.py --methods snapkv,vanilla --points 32768x1 --new-tokens 129 \
-    --repeats 3 --steps 64 --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"; tail -8 "$OUT/user_path.log" | cut -c1-250 ;;
+    --repeats 3 --steps 64 --warm-process --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"
+  grep "compile phases" "$OUT/user_path.log" | cut -c1-600; tail -6 "$OUT/user_path.log" | cut -c1-250 ;;
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
