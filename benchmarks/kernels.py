@@ -32,6 +32,7 @@ from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E4
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from sparsecompile.kernels.quest_scores import page_minmax_update_triton, quest_page_scores_triton  # noqa: E402
 from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
+from sparsecompile.runtime.row_ops import table_width  # noqa: E402
 
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16
 
@@ -83,8 +84,8 @@ def op_rows(copies: int = 3) -> list[dict]:
     """Every selection / eviction / write op at the decode benchmark's 128K x 4 shapes (or the 32K prefill's)."""
     bf16, rows = torch.bfloat16, []
     batch, context = 4, 131072
-    pages = context // PAGE + 11  # the benchmark's block-table rows: the context plus the generated tokens
-    # Quest: page scores over each row's min/max, then top-128 pages of 8,203.
+    pages = table_width(context // PAGE + 11)  # the engine's table: context and generated tokens, 16-page multiple
+    # Quest: page scores over each row's min/max, then top-128 pages of 8,208.
     sets = []
     for _ in range(copies):
         kmin = torch.randn(batch * pages + 1, KV_HEADS, DIM, device="cuda", dtype=bf16)

@@ -23,7 +23,7 @@
 # #17's last figures: `METHOD=vanilla POINTS=32768x1,131072x4 STAGES=export,first-token,decode ... export_point`
 # (~7 min: vanilla's load with shipped kernels, both decode points from one export), `K=exported_form N=1
 # export_tests` (~3 min: the fallback form's compile cache now comes from a child process); then `burst_compiled` (#13),
-# `profile` (#14, medians of 3 generate() pairs now), `ops` (topk warps sweep), KIVI largest batch (#20), `verify`.
+# `profile` (#14, medians of 3 generate() pairs now), `ops` (Quest's op configs), KIVI largest batch (#20), `verify`.
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops.)
@@ -90,11 +90,11 @@ kivi_fix)  # #20 after the in-place commit: the 128K x 4 points
   timeout 400 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4,snapkv+kivi:131072x4,kivi2:32768x1 \
     --out "$OUT/kivi_h200_b.jsonl" > "$OUT/kivi_b.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_b.log" | tail -12
   grep '"tok_s"' "$OUT/kivi_h200_b.jsonl" | cut -c1-260 ;;
-ops)  # + the top-k select's warps at Quest's widths (16 warps for a 16K tile today; 8K tiles take 23 us, 16K 32-34)
+ops)  # + quest_ops_sweep.py: Quest's page-score launch configs and the top-k select's warps at 128K x 4 (~2 min)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220
-  timeout 120 python3 benchmarks/sessions/topk_width.py 4,8,16,32 > "$OUT/topk_warps_h200.jsonl"; echo "warps rc=$?"
-  cat "$OUT/topk_warps_h200.jsonl" ;;
+  timeout 200 python3 benchmarks/sessions/quest_ops_sweep.py > "$OUT/quest_ops_sweep_h200.jsonl"; echo "sweep rc=$?"
+  cut -c1-200 "$OUT/quest_ops_sweep_h200.jsonl" ;;
 verify)
   timeout -s INT 540 $P tests/gpu tests/test_eviction_kernels.py --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
     > "$OUT/gpu_tests_verify.log" 2>&1

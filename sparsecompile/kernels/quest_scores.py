@@ -105,9 +105,15 @@ if triton is not None:
         tl.store(KMAX + offs, tl.where(first, key, tl.maximum(hi, key)).to(KMAX.dtype.element_ty), mask=m2)
 
 
+#: Launch configuration (``benchmarks/sessions/quest_ops_sweep.py`` times alternatives on the H200): pages per
+#: program (up to this many; fewer for short tables), warps, pipeline stages.
+QUEST_SCORES_CONFIG = {"block_p": 64, "num_warps": 4, "num_stages": 3}
+
+
 def quest_page_scores_triton(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
-                             num_pages: torch.Tensor) -> torch.Tensor:
-    """Triton launch with the semantics of :func:`quest_page_scores_reference`."""
+                             num_pages: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`quest_page_scores_reference` (``config``: overrides of
+    :data:`QUEST_SCORES_CONFIG`)."""
     batch, q_heads, dim = query.shape
     kv_heads = kmin.shape[1]
     max_pages = pages.shape[1]
@@ -120,12 +126,13 @@ def quest_page_scores_triton(query: torch.Tensor, kmin: torch.Tensor, kmax: torc
     if out.numel() == 0:
         return out
     group = q_heads // kv_heads
-    block_p = min(64, max(16, triton.next_power_of_2(max_pages)))
+    cfg = {**QUEST_SCORES_CONFIG, **(config or {})}
+    block_p = min(cfg["block_p"], max(16, triton.next_power_of_2(max_pages)))
     _quest_scores_kernel[(batch, triton.cdiv(max_pages, block_p))](
         query, kmin, kmax, pages, num_pages, out, query.stride(0), query.stride(1), pages.stride(0),
         out.stride(0), out.stride(1), max_pages, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_P=block_p, IEEE=kmin.dtype == torch.float32, num_warps=4, num_stages=3,
+        BLOCK_P=block_p, IEEE=kmin.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
