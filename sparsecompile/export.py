@@ -77,7 +77,8 @@ def export(model: nn.Module | str | os.PathLike | None, out_dir: str | os.PathLi
             link it is refused at export and at load.
         compile_cache: with ``form="exported"``, compile the decode program at every batch bucket in a fresh
             child process that loads the artifact, and ship its ``torch.compiler`` cache artifacts, so a loading
-            process compiles it warm (False: it runs eagerly).
+            process compiles it warm (False: it runs eagerly; when the child fails, a warning says why and loading
+            processes compile it themselves).
         kernels: on CUDA, trial-load the artifact in a child process and ship the Triton kernels of sparsecompile's
             own ops it compiled (``kernels/``, ``serving/artifact_kernels.py``), so a load on a machine whose Triton
             cache lacks them does not compile them; the trial load also proves the artifact loads (when it fails,
@@ -268,10 +269,16 @@ def _ship_compile_cache(out: Path, timer: PhaseTimer) -> None:
     """The fallback form's warm start: the decode program's compile cache, made by a fresh process that loads the
     written artifact and compiles every batch bucket (``serving/artifact_kernels.py`` says why not this process);
     the file is hashed into the manifest. Loading the artifact also covers the weights as the loader reads them
-    (on CUDA inductor keys a graph on its parameters' storage offsets and sizes)."""
+    (on CUDA inductor keys a graph on its parameters' storage offsets and sizes). When that process fails, the
+    artifact still serves (compiling at load) and a warning says why it is not warm, as for shipped kernels."""
     from .serving.artifact_kernels import compile_decode_cache
 
-    file = compile_decode_cache(out, "decode.cache.bin")
+    try:
+        file = compile_decode_cache(out, "decode.cache.bin")
+    except (ArtifactError, subprocess.TimeoutExpired) as err:  # e.g. a second copy of the weights does not fit
+        log.warning("the artifact in %s ships no compile cache (a loading process compiles the decode program "
+                    "itself): %s", out, err)
+        return
     timer.done("compile_cache")
     manifest = read(out)
     manifest["programs"]["decode"]["compile_cache"] = file

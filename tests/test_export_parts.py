@@ -277,3 +277,20 @@ def test_shipped_kernels_fill_only_the_entries_missing_from_the_triton_cache(tmp
     assert install_kernels(tmp_path / "artifact", {}) == 0  # a CPU artifact ships none
     with pytest.raises(ArtifactError, match="missing"):
         install_kernels(tmp_path / "artifact", {"kernels": "gone"})
+
+
+def test_a_failed_compile_cache_child_leaves_a_serving_artifact_with_a_warning(tmp_path, monkeypatch, caplog):
+    """The fallback form's compile cache comes from a child process that loads the artifact (a second copy of the
+    weights): when it fails, export keeps the artifact, which compiles at load, and says why it is not warm."""
+    import sparsecompile.serving.artifact_kernels as artifact_kernels
+    from sparsecompile.export import _ship_compile_cache
+    from sparsecompile.serving.artifact import PhaseTimer
+    from sparsecompile.serving.manifest import ArtifactError
+
+    def fail(root, file, timeout=900):
+        raise ArtifactError("compiling the exported decode program in a fresh process failed: CUDA out of memory")
+
+    monkeypatch.setattr(artifact_kernels, "compile_decode_cache", fail)
+    with caplog.at_level("WARNING", logger="sparsecompile.export"):
+        _ship_compile_cache(tmp_path, PhaseTimer())  # no manifest is touched: it would raise on a missing one
+    assert "ships no compile cache" in caplog.text and "out of memory" in caplog.text
