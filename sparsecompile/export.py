@@ -42,6 +42,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -273,18 +274,15 @@ def _ship_compile_cache(out: Path, timer: PhaseTimer) -> None:
     artifact still serves (compiling at load) and a warning says why it is not warm, as for shipped kernels."""
     from .serving.artifact_kernels import compile_decode_cache
 
+    file = "decode.cache.bin"
     try:
-        file = compile_decode_cache(out, "decode.cache.bin")
+        compile_decode_cache(out, file)
     except (ArtifactError, subprocess.TimeoutExpired) as err:  # e.g. a second copy of the weights does not fit
         log.warning("the artifact in %s ships no compile cache (a loading process compiles the decode program "
                     "itself): %s", out, err)
         return
     timer.done("compile_cache")
-    manifest = read(out)
-    manifest["programs"]["decode"]["compile_cache"] = file
-    manifest["files"].update(hash_files(out, [file]))
-    manifest["export_seconds"] = timer.seconds
-    write(out, manifest)
+    _add_files(out, timer, [file], lambda manifest: manifest["programs"]["decode"].update(compile_cache=file))
 
 
 def _ship_kernels(out: Path, timer: PhaseTimer) -> None:
@@ -299,9 +297,15 @@ def _ship_kernels(out: Path, timer: PhaseTimer) -> None:
         log.warning("the artifact in %s ships no Triton kernels and was not trial-loaded: %s", out, err)
         return
     timer.done("trial_load")
+    _add_files(out, timer, shipped, lambda manifest: manifest.update(kernels=KERNELS))
+
+
+def _add_files(out: Path, timer: PhaseTimer, files: list[str], note: Callable[[dict], None]) -> None:
+    """Rewrite the written artifact's manifest with ``files`` hashed in, ``note`` applied (where they are named)
+    and the export's phase times so far."""
     manifest = read(out)
-    manifest["files"].update(hash_files(out, shipped))
-    manifest["kernels"] = KERNELS
+    manifest["files"].update(hash_files(out, files))
+    note(manifest)
     manifest["export_seconds"] = timer.seconds
     write(out, manifest)
 

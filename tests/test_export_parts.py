@@ -148,7 +148,6 @@ def test_a_loaded_artifact_binds_the_buffers_its_method_creates_in_the_first_ste
     from tiny_models import word_tokenizer
 
     method, options = "quest", {"budget": 24, "dense_layers": 1}
-
     _, model = tiny_pair("llama")
     engine = dict(max_num_seqs=4, max_model_len=128, page_size=4, prefill_chunk_size=32, **options)
     path = sparsecompile.export(model, tmp_path / method, method, tokenizer=word_tokenizer(96), form="exported",

@@ -71,14 +71,13 @@ def _child(script: str, args: list[str], env: dict[str, str], timeout: float, wh
         raise ArtifactError(f"{what} failed:\n{done.stderr[-3000:]}")
 
 
-def compile_decode_cache(root: Path, file: str, timeout: float = 900) -> str:
+def compile_decode_cache(root: Path, file: str, timeout: float = 900) -> None:
     """Compile the fallback form's decode program at every batch bucket in a child process that loads the artifact
-    in ``root`` with empty compile caches, and write its cache artifacts to ``root/file``; returns ``file``."""
+    in ``root`` with empty compile caches, and write its cache artifacts to ``root/file``."""
     with tempfile.TemporaryDirectory(prefix="sc-compile-") as cold:
         env = {name: str(Path(cold) / name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
         _child(_COMPILE, [str(root), str(TRIAL_KV_BYTES), str(root / file)], env, timeout,
                "compiling the exported decode program in a fresh process")
-    return file
 
 
 def triton_cache_dir() -> Path:

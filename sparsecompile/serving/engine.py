@@ -94,8 +94,8 @@ class LLMEngine(StepForwards):
         rows = max_num_seqs + idle_rows + 1  # the running requests, the idle chains and the decode padding row
         num_pages = c.config.num_pages or pages_from_memory(c, kv_budget_bytes(config, self.device),
                                                             self.max_model_len, max_num_seqs, rows)
-        widest = table_width(math.ceil((self.max_model_len + 1) / c.layout.page_size))
-        self.manager = c.build_pool(num_pages, rows, widest)
+        self.row_pages = math.ceil((self.max_model_len + 1) / c.layout.page_size)  # pages a sequence may use
+        self.manager = c.build_pool(num_pages, rows, table_width(self.row_pages))  # the table: aligned, a bit wider
         self.reuse = KVReuse(c, fingerprint(c, self.model_name), prefix_caching=config.enable_prefix_caching,
                              max_idle_chains=idle_rows)
         self.scheduler = Scheduler(c.oracle, num_pages, max_num_seqs=max_num_seqs,

@@ -308,9 +308,8 @@ class Pruner:
     def _room(self, resident: int, need: int, what: str) -> int:
         """Slots a layer of the row can still take after ``resident`` entries (the scoring pass appends its
         temporary tokens there); refuses when fewer than ``need``."""
-        m, P = self.engine.manager, self.engine.manager.layout.page_size
         # the pages max_model_len asks for (the block table may be wider: its width is rounded up for alignment)
-        slots = min(m.max_pages_per_seq, -(-(self.engine.max_model_len + 1) // P)) * P
+        slots = self.engine.row_pages * self.engine.manager.layout.page_size
         if slots - resident < need:
             raise PruneRejected(f"{what} needs room for {need} tokens after the {resident} resident entries, and a "
                                 f"sequence holds {slots} slots per layer (max_model_len): serve with a larger "
