@@ -141,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = make_model(args.layers, args.tiny, args.device)
     os.makedirs(args.out, exist_ok=True)
-    rows = [run_mode(model, args, mode) for mode in args.modes.split(",")]
+    rows = []
     with open(os.path.join(args.out, f"serving_burst{args.tag}.jsonl"), "w") as handle:
-        handle.writelines(json.dumps(r) + "\n" for r in rows)
+        for mode in args.modes.split(","):  # a row per mode as it ends: a run cut short keeps the modes it finished
+            rows.append(run_mode(model, args, mode))
+            handle.write(json.dumps(rows[-1]) + "\n")
+            handle.flush()
     print(f"{'mode':>15} {'steady p50 ms':>14} {'burst p50 ms':>13} {'burst p99 ms':>13} {'p99/p50':>8} "
           f"{'burst s':>8}")
     for r in rows:

@@ -293,3 +293,41 @@ def test_a_failed_compile_cache_child_leaves_a_serving_artifact_with_a_warning(t
     with caplog.at_level("WARNING", logger="sparsecompile.export"):
         _ship_compile_cache(tmp_path, PhaseTimer())  # no manifest is touched: it would raise on a missing one
     assert "ships no compile cache" in caplog.text and "out of memory" in caplog.text
+
+
+def test_a_compiled_forward_runs_the_attend_op_without_tracing_its_body():
+    """The op's body is the controller's per-step Python: it must run, never be traced. Once one call had traced it
+    (here: a step under a TorchDispatchMode, which makes dynamo run the forward eagerly while its frame hook stays
+    live, as ``benchmarks/step_ops.py`` counts ops), every later step's new objects failed the guards and recompiled
+    it up to dynamo's limit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class StepObject:
+        def __init__(self, shift: float) -> None:
+            self.shift = shift
+
+    class StubController:
+        step = StepObject(0.0)
+        traced = 0
+
+        def attend(self, layer, query, key, value, scale, window):
+            self.traced += torch.compiler.is_compiling()
+            return (query * scale + self.step.shift).transpose(1, 2).contiguous()
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    graphs = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda q: attend(q, q, q, 0, 0.5, 0) + 1, backend=graphs)
+    q = torch.randn(1, 2, 3, 4)
+    controller = StubController()
+    with serving(controller):
+        fn(q)
+        with PassThrough():
+            fn(q)
+        for shift in (1.0, 2.0, 3.0):
+            controller.step = StepObject(shift)  # a new object per step, as the serving engine's StepState
+            torch.testing.assert_close(fn(q), (q * 0.5 + shift).transpose(1, 2) + 1)
+    assert controller.traced == 0 and graphs.frame_count == 1

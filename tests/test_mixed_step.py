@@ -171,7 +171,8 @@ def test_compiled_prefill_forwards_give_the_eager_tokens(monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == \
         [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
     assert "mixed" in record and len(ran) == forwards(record).count("mixed") + forwards(record).count("prefill")
-    # dynamic token count: fewer graphs than token counts (variants: logits_to_keep an int or a tensor, batch 1 or more)
-    assert graphs.frame_count < len({shape[1] for shape in ran})
+    # dynamic token count: two graphs for nine token counts (dynamo specializes sizes of 1: batch 1 or more; an int
+    # logits_to_keep arrives as positions, so it is no variant of its own)
+    assert graphs.frame_count <= 2 < len({shape[1] for shape in ran})
     stats = engine.stats()
     assert stats.free_pages == stats.total_pages

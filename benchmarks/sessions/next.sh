@@ -12,7 +12,8 @@
 #   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8, quest scores; topk warps ~1 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine; warm process) ~6 min
-#   bash benchmarks/sessions/next.sh burst_compiled  # #13 burst, capped vs compile_prefill (512, 256)        ~8 min
+#   bash benchmarks/sessions/next.sh burst_compiled  # #13 burst, compile_prefill vs capped at 512            ~8 min
+#   bash benchmarks/sessions/next.sh burst_compiled256  # #13 burst compile_prefill at 256; step_ops          ~5 min
 #   bash benchmarks/sessions/next.sh export     # #17 AOTI probe with the libstdc++ link fix; export GPU tests     ~8 min
 #   bash benchmarks/sessions/next.sh export_bench  # #17 8B vanilla export / load to first token / decode (FORM=) ~9 min
 #   bash benchmarks/sessions/next.sh kivi       # #20 decode points and largest batches (kivi_bench.py --quick)     ~8 min
@@ -106,13 +107,16 @@ profile)
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
-burst_compiled)  # #13 burst with the mixed step's forward compiled (compile_prefill), 512 and 256 prompt tokens a step
-  timeout -s INT 300 python3 benchmarks/serving_burst.py --modes capped,compiled --while-decoding 512 --out "$OUT" \
+burst_compiled)  # #13 burst with the mixed step's forward compiled (compile_prefill), 512 prompt tokens a step (~8 min:
+  # the 2026-12-02 call spent its 300 s in the compiled mode's first compile, before floats were specialized)
+  timeout -s INT 520 python3 benchmarks/serving_burst.py --modes compiled,capped --while-decoding 512 --out "$OUT" \
     --tag _h200_compiled512 > "$OUT/burst_c512.log" 2>&1; echo "512 rc=$?"; tail -3 "$OUT/burst_c512.log"
-  timeout -s INT 200 python3 benchmarks/serving_burst.py --modes compiled --while-decoding 256 --out "$OUT" \
+  grep -h "compiled the\|compiling" "$OUT/burst_c512.log" | head -4 ;;
+burst_compiled256)  # the same at 256 prompt tokens a step, and a mixed step's host time (tiny model) (~5 min)
+  timeout -s INT 300 python3 benchmarks/serving_burst.py --modes compiled --while-decoding 256 --out "$OUT" \
     --tag _h200_compiled256 > "$OUT/burst_c256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_c256.log"
   for flag in "" --compile-prefill; do  # host time of a mixed step on the GPU host (tiny model: ops, not FLOPs)
-    timeout 150 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200.jsonl" 2>&1 | grep "ops per"; done ;;
+    timeout 100 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200.jsonl" 2>&1 | grep "ops per"; done ;;
 export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
   # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
   timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \
@@ -144,5 +148,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
 esac

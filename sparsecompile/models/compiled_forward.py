@@ -69,5 +69,9 @@ class CompiledForward:
                 self.max_tokens is not None and input_ids.numel() > self.max_tokens):
             return self.eager(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
                               logits_to_keep=logits_to_keep)
+        if not isinstance(logits_to_keep, torch.Tensor):  # one graph for both forms (an int k keeps the last k)
+            tokens = input_ids.shape[1]
+            logits_to_keep = torch.arange(tokens - logits_to_keep if logits_to_keep else 0, tokens,
+                                          device=input_ids.device)
         with opaque_attention(self.model, self._stand_in), serving(self.controller):
             return self._compiled(input_ids, position_ids, logits_to_keep)

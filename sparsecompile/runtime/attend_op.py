@@ -50,8 +50,12 @@ def serving(controller: SparseController) -> Iterator[None]:
         stack.pop()
 
 
+@torch.compiler.disable
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
             window: int) -> torch.Tensor:
+    # The op's body is the controller's eager Python (host-side method work, per-step objects): a compiled forward
+    # that calls the op must run it, never trace it (dynamo would guard on each step's objects and recompile every
+    # step until its recompile limit, then run the whole forward eagerly).
     return current_controller().attend(layer, query, key, value, scale, window)
 
 

@@ -160,12 +160,18 @@ def apply_deferred_marks() -> None:
 def compile_forward(fn: Callable, backend: str | Callable = "inductor") -> Callable:
     """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): ``backend`` (inductor; tests may
     pass ``aot_eager``), dynamic shapes (one graph for every token count), the decode step's guard filter, through a
-    private code object (see :func:`compile_step`). A few variants exist (``logits_to_keep`` an int or a tensor,
-    batch 1 or more): :func:`allow_recompiles` covers them."""
+    private code object (see :func:`compile_step`). A few variants exist (batch 1 or more, one kept position per
+    row or more: dynamo specializes sizes of 1): :func:`allow_recompiles` covers them."""
+    import torch._dynamo.config as dynamo_config
+
     allow_recompiles(16)
     apply_deferred_marks()
-    return torch.compile(_private_code(fn), backend=backend, dynamic=True,
-                         options={"guard_filter_fn": decode_guard_filter})
+    compiled = torch.compile(_private_code(fn), backend=backend, dynamic=True,
+                             options={"guard_filter_fn": decode_guard_filter})
+    # Floats stay constants (dynamo makes them symbols under dynamic=True): the model's float attributes (every
+    # norm's eps, every attention layer's scale) then added a symbol each, and turning them back into tensors
+    # restarted the trace, a second full trace of the model per variant.
+    return dynamo_config.patch(specialize_float=True)(compiled)
 
 
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:
