@@ -21,13 +21,14 @@
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# #17's last figures: `METHOD=vanilla POINTS=32768x1,131072x4 STAGES=export,first-token,decode ... export_point`
-# (~7 min: vanilla's load with shipped kernels, both decode points from one export), `K=exported_form N=1
-# export_tests` (~3 min: the fallback form's compile cache now comes from a child process); then `burst_compiled` (#13),
-# `profile` (#14, medians of 3 generate() pairs now), `ops` (Quest's op configs), KIVI largest batch (#20), `verify`.
+# `burst_compiled` (#13, ~8 min: compile_prefill's first compile now specializes floats, one variant fewer) and
+# `burst_compiled256` (~5 min); KIVI largest batch (#20); `verify`. #17 is done (2026-12-02: vanilla export_point,
+# load to first token 7.21 s, decode 98.0 % / 100.2 %; exported_form test passed, warm from the child-made cache).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
-# STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops.)
+# STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
+# 2026-12-02 second session: export_point vanilla, export_tests exported_form, burst_compiled (timed out in the
+# mixed step's first compile), profile (medians: snapkv generate/engine 0.997), ops (Quest config sweep).)
 # Results go to $OUT; copy them to benchmarks/results/ and commit. Compile caches travel between calls: each stage
 # restores .carry/cc (when carried) and saves its cache to $OUT/cc; copy those pieces to .carry/cc here and pass
 # carry=[".carry"] to the next call (compile_cache.py). Fire calls back to back: an idle machine is released in 30 s.
