@@ -319,6 +319,9 @@ def test_a_compiled_forward_runs_the_attend_op_without_tracing_its_body():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
+    from sparsecompile.runtime.compilation import apply_deferred_marks
+
+    apply_deferred_marks()  # what every sparsecompile path to torch.compile runs first
     graphs = CompileCounterWithBackend("aot_eager")
     fn = torch.compile(lambda q: attend(q, q, q, 0, 0.5, 0) + 1, backend=graphs)
     q = torch.randn(1, 2, 3, 4)

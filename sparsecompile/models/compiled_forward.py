@@ -71,7 +71,7 @@ class CompiledForward:
                               logits_to_keep=logits_to_keep)
         if not isinstance(logits_to_keep, torch.Tensor):  # one graph for both forms (an int k keeps the last k)
             tokens = input_ids.shape[1]
-            logits_to_keep = torch.arange(tokens - logits_to_keep if logits_to_keep else 0, tokens,
+            logits_to_keep = torch.arange(max(tokens - logits_to_keep, 0) if logits_to_keep else 0, tokens,
                                           device=input_ids.device)
         with opaque_attention(self.model, self._stand_in), serving(self.controller):
             return self._compiled(input_ids, position_ids, logits_to_keep)

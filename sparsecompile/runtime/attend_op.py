@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels.library import define_op
+from .compilation import before_compiling
 
 if TYPE_CHECKING:
     from .controller import SparseController
@@ -50,13 +51,29 @@ def serving(controller: SparseController) -> Iterator[None]:
         stack.pop()
 
 
-@torch.compiler.disable
+def _controller_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                       window: int) -> torch.Tensor:
+    return current_controller().attend(layer, query, key, value, scale, window)
+
+
+_BODY = _controller_attend
+
+
+def _never_traced() -> None:
+    # The op's body is the controller's eager Python (host-side method work, per-step objects): a compiled forward
+    # that calls the op must run it, never trace it. Once a call had traced it, every later step's new objects
+    # failed the guards and recompiled it up to dynamo's limit. Set when something first compiles, since
+    # torch.compiler.disable imports dynamo, which an artifact's load never needs.
+    global _BODY
+    _BODY = torch.compiler.disable(_controller_attend)
+
+
+before_compiling(_never_traced)
+
+
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
             window: int) -> torch.Tensor:
-    # The op's body is the controller's eager Python (host-side method work, per-step objects): a compiled forward
-    # that calls the op must run it, never trace it (dynamo would guard on each step's objects and recompile every
-    # step until its recompile limit, then run the whole forward eagerly).
-    return current_controller().attend(layer, query, key, value, scale, window)
+    return _BODY(query, key, value, layer, scale, window)
 
 
 def _attend_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,

@@ -146,10 +146,25 @@ def _mark(dynamo, t: torch.Tensor, dynamic_dims: tuple[int, ...]) -> None:
         dynamo.maybe_mark_dynamic(t, dim)
 
 
+_DEFERRED_HOOKS: list[Callable[[], None]] = []
+
+
+def before_compiling(hook: Callable[[], None]) -> None:
+    """Run ``hook`` now if ``torch._dynamo`` is imported, else the first time a path here compiles (the same
+    deferral as :func:`mark_for_compile`: a module that needs a dynamo setting need not import dynamo)."""
+    if "torch._dynamo" in sys.modules:
+        hook()
+    else:
+        _DEFERRED_HOOKS.append(hook)
+
+
 def apply_deferred_marks() -> None:
-    """Apply the marks :func:`mark_for_compile` deferred (every path to ``torch.compile`` calls this first)."""
+    """Apply the marks :func:`mark_for_compile` deferred and run the hooks :func:`before_compiling` deferred (every
+    path to ``torch.compile`` calls this first)."""
     import torch._dynamo as dynamo
 
+    while _DEFERRED_HOOKS:
+        _DEFERRED_HOOKS.pop(0)()
     while _DEFERRED:
         ref, dims = _DEFERRED.pop()
         tensor = ref()
