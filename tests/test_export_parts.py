@@ -303,6 +303,8 @@ def test_a_compiled_forward_runs_the_attend_op_without_tracing_its_body():
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from sparsecompile.runtime.compilation import apply_deferred_marks
+
     class StepObject:
         def __init__(self, shift: float) -> None:
             self.shift = shift
@@ -318,8 +320,6 @@ def test_a_compiled_forward_runs_the_attend_op_without_tracing_its_body():
     class PassThrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
-
-    from sparsecompile.runtime.compilation import apply_deferred_marks
 
     apply_deferred_marks()  # what every sparsecompile path to torch.compile runs first
     graphs = CompileCounterWithBackend("aot_eager")
