@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile-prefill", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--profile", type=int, default=0, help="also cProfile this many steps (top functions)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     model = make_model(args.layers, True, args.device)
@@ -91,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - start
 
     step_ms = 1e3 * float(np.median([timed() for _ in range(args.steps)]))
+    if args.profile:  # where the host time of a step goes, by function (own time, then with callees)
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [timed() for _ in range(args.profile)])
+        stats = pstats.Stats(profile)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
     row = {"method": args.method, "layers": args.layers, "chunk": args.chunk, "running": args.running,
            "compile_prefill": args.compile_prefill, "device": args.device,
            "ops": None if args.compile_prefill else sum(ops.counts.values()),

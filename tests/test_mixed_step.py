@@ -155,24 +155,28 @@ def test_compiled_prefill_forwards_give_the_eager_tokens(monkeypatch):
     from sparsecompile.runtime import compilation
 
     graphs = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(compiled_forward, "compile_forward", lambda fn: compilation.compile_forward(fn, graphs))
+    monkeypatch.setattr(compiled_forward, "compile_forward",
+                        lambda fn, **kw: compilation.compile_forward(fn, graphs, **kw))
 
-    method, options = "snapkv", {"budget": 24, "window": 4}  # one compile (~40 s on two cores): the evicting case
-    _, llm = tiny_llm(method, max_num_batched_tokens=64, compile_prefill=True, **options)
+    method, options = "snapkv", {"budget": 24, "window": 4}  # the evicting case
+    model, llm = tiny_llm(method, max_num_batched_tokens=64, compile_prefill=True, **options)
     engine = llm.llm_engine
     assert isinstance(engine._forward, CompiledForward)
     ran = []
-    compiled = engine._forward._compiled
-    monkeypatch.setattr(engine._forward, "_compiled", lambda *a: ran.append(a[0].shape) or compiled(*a))
+    (cls, compiled), = engine._forward.compiled.items()
+    engine._forward.compiled[cls] = lambda layer, hidden, *a, **kw: ran.append(hidden.shape) or compiled(
+        layer, hidden, *a, **kw)
     record = record_forwards(llm, monkeypatch.setattr)
     prompts = prompts_of(LENGTHS, seed=7)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _, eager = tiny_llm(method, max_num_batched_tokens=64, **options)
     assert [o.outputs[0].token_ids for o in outs] == \
         [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
-    assert "mixed" in record and len(ran) == forwards(record).count("mixed") + forwards(record).count("prefill")
-    # dynamic token count: two graphs for nine token counts (dynamo specializes sizes of 1: batch 1 or more; an int
-    # logits_to_keep arrives as positions, so it is no variant of its own)
+    layers = model.config.num_hidden_layers
+    assert "mixed" in record and len(ran) == layers * (forwards(record).count("mixed")
+                                                        + forwards(record).count("prefill"))
+    # regional compilation with a dynamic token count: one graph serves every layer (the layer index is symbolic)
+    # and nine token counts, plus a variant for size-1 dims (dynamo specializes them: batch 1 or more)
     assert graphs.frame_count <= 2 < len({shape[1] for shape in ran})
     stats = engine.stats()
     assert stats.free_pages == stats.total_pages

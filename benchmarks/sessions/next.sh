@@ -118,6 +118,27 @@ burst_compiled256)  # the same at 256 prompt tokens a step, and a mixed step's h
     --tag _h200_compiled256 > "$OUT/burst_c256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_c256.log"
   for flag in "" --compile-prefill; do  # host time of a mixed step on the GPU host (tiny model: ops, not FLOPs)
     timeout 100 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200.jsonl" 2>&1 | grep "ops per"; done ;;
+regional)  # #13: compile_prefill as regional compilation (one decoder layer compiled for all), mixed-step split as
+  # views: a mixed step's host time (tiny model), the GPU tests of the mixed step, the burst at 512 (~8 min)
+  for flag in "" --compile-prefill; do
+    timeout 150 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200_regional.jsonl" 2>&1 | grep "ops per\|Error"; done
+  timeout -s INT 150 $P tests/gpu/test_mixed_cuda.py > "$OUT/gpu_tests_mixed_regional.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_mixed_regional.log" | tail -6
+  timeout -s INT ${BURST_S:-260} python3 benchmarks/serving_burst.py --modes compiled --while-decoding ${CAP:-512} \
+    --out "$OUT" --tag _h200_regional${CAP:-512} > "$OUT/burst_regional.log" 2>&1; echo "burst rc=$?"
+  tail -3 "$OUT/burst_regional.log"; grep -h "compiled \|compiling" "$OUT/burst_regional.log" | head -6 ;;
+regional_profile)  # #13: where a compiled mixed step's host time goes (cProfile, tiny model), burst at 256 (~5 min)
+  timeout 200 python3 benchmarks/step_ops.py --compile-prefill --steps 10 --profile 3 --out "$OUT/step_ops_h200_regional.jsonl" \
+    > "$OUT/step_profile_regional.log" 2>&1; echo "profile rc=$?"; grep "ops per" "$OUT/step_profile_regional.log"
+  timeout -s INT 200 python3 benchmarks/serving_burst.py --modes compiled --while-decoding 256 \
+    --out "$OUT" --tag _h200_regional256 > "$OUT/burst_regional256.log" 2>&1; echo "burst rc=$?"
+  tail -2 "$OUT/burst_regional256.log" ;;
+burst_final)  # #13: eager capped and regional compiled bursts at 512 in one run; a mixed step's host time (~6 min)
+  timeout -s INT 330 python3 benchmarks/serving_burst.py --modes capped,compiled --while-decoding 512 \
+    --out "$OUT" --tag _h200_regional_vs_capped512 > "$OUT/burst_final.log" 2>&1; echo "burst rc=$?"
+  tail -3 "$OUT/burst_final.log"
+  for flag in "" --compile-prefill; do
+    timeout 100 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200_regional_b.jsonl" 2>&1 | grep "ops per"; done ;;
 export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
   # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
   timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \

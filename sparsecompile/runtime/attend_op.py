@@ -82,7 +82,7 @@ def _attend_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     return query.new_empty((batch, tokens, heads, dim))
 
 
-attend = define_op("attend(Tensor query, Tensor key, Tensor value, int layer, float scale, int window) -> Tensor",
+attend = define_op("attend(Tensor query, Tensor key, Tensor value, SymInt layer, float scale, int window) -> Tensor",
                    cpu=_attend, cuda=_attend, fake=_attend_fake)
 
 

@@ -172,11 +172,15 @@ def apply_deferred_marks() -> None:
             _mark(dynamo, tensor, dims)
 
 
-def compile_forward(fn: Callable, backend: str | Callable = "inductor") -> Callable:
+def compile_forward(fn: Callable, backend: str | Callable = "inductor", layer_index_dynamic: bool = False) -> Callable:
     """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): ``backend`` (inductor; tests may
     pass ``aot_eager``), dynamic shapes (one graph for every token count), the decode step's guard filter, through a
     private code object (see :func:`compile_step`). A few variants exist (batch 1 or more, one kept position per
-    row or more: dynamo specializes sizes of 1): :func:`allow_recompiles` covers them."""
+    row or more: dynamo specializes sizes of 1): :func:`allow_recompiles` covers them.
+
+    ``layer_index_dynamic``: ``fn`` is a decoder layer's ``forward`` compiled once for every layer (regional
+    compilation): int attributes of the modules it reads become symbolic inputs instead of constants, so the
+    layer index that each attention call passes on does not give every layer a graph of its own."""
     import torch._dynamo.config as dynamo_config
 
     allow_recompiles(16)
@@ -186,7 +190,7 @@ def compile_forward(fn: Callable, backend: str | Callable = "inductor") -> Calla
     # Floats stay constants (dynamo makes them symbols under dynamic=True): the model's float attributes (every
     # norm's eps, every attention layer's scale) then added a symbol each, and turning them back into tensors
     # restarted the trace, a second full trace of the model per variant.
-    return dynamo_config.patch(specialize_float=True)(compiled)
+    return dynamo_config.patch(specialize_float=True, allow_unspec_int_on_nn_module=layer_index_dynamic)(compiled)
 
 
 def compile_dynamic(fn: Callable, backend: Callable) -> Callable:

@@ -56,11 +56,17 @@ class MixedStep:
                 setattr(owner, name, next(values))
 
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """``[1, heads, T, D]`` (the layout attention receives) -> per part ``[batch_i, heads, width_i, D]``,
-        contiguous (one split for all parts: an eager forward pays host time per op, per layer)."""
-        shapes = [tuple(part.positions.shape) for part in self.parts]
-        pieces = tensor[0].split([batch * width for batch, width in shapes], dim=1)
-        return [piece.unflatten(1, shape).transpose(0, 1).contiguous() for piece, shape in zip(pieces, shapes)]
+        """``[1, heads, T, D]`` (the layout attention receives) -> per part ``[batch_i, heads, width_i, D]``: views,
+        one op each (an eager forward pays host time per op, per layer, per part; the kernels and the K/V write take
+        any strides with a dense last dim)."""
+        _, heads, _, dim = tensor.shape
+        _, s_head, s_token, s_dim = tensor.stride()
+        offset, pieces = tensor.storage_offset(), []
+        for batch, width in (tuple(part.positions.shape) for part in self.parts):
+            pieces.append(tensor.as_strided((batch, heads, width, dim), (width * s_token, s_head, s_token, s_dim),
+                                            offset))
+            offset += batch * width * s_token
+        return pieces
 
     @staticmethod
     def join(outs: Sequence[torch.Tensor]) -> torch.Tensor:
