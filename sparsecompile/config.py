@@ -133,9 +133,10 @@ class ServingConfig:
     enable_mixed_chunk: bool = option(True, "run a step's decode tokens and all its prompt chunks in one forward (as "
                                             "vLLM batches; SGLang's --enable-mixed-chunk); off: one forward for the "
                                             "decodes, then one per group of chunks of similar lengths")
-    compile_prefill: bool = option(False, "compile the prefill and mixed-step forwards (dynamic token count; each "
-                                          "layer's attention stays the eager method path, one opaque op): less host "
-                                          "time per step, for one compile of the model at the first prompt")
+    compile_prefill: bool = option(False, "compile the decoder layers of prefill and mixed-step forwards (one "
+                                          "graph for every layer and token count; each layer's attention stays the "
+                                          "eager method path, one opaque op): less host time per step, for one "
+                                          "compile of a layer at the first prompt")
     kv_cache_memory: float | None = option(None, "KV pool size: bytes, or a fraction of the GPU memory free after "
                                                  "loading (default 0.85 on CUDA, 1 GiB on CPU)")
     gpu_memory_utilization: float | None = option(None, "fraction of the GPU's total memory the process may use "

@@ -20,6 +20,9 @@
 #   bash benchmarks/sessions/next.sh mixed      # #13 item 6: GPU tests of the mixed step and KIVI; burst separate /
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
+# 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
+# regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
+# (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # `burst_compiled` (#13, ~8 min: compile_prefill's first compile now specializes floats, one variant fewer) and
 # `burst_compiled256` (~5 min); KIVI largest batch (#20); `verify`. #17 is done (2026-12-02: vanilla export_point,
