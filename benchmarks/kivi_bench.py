@@ -66,7 +66,8 @@ def main() -> int:
     parser.add_argument("--stage", default="all", choices=("all", "points", "capacity", "kernels"))
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--points", default=None,
-                        help="only these points, e.g. kivi2:131072x4,snapkv+kivi:131072x4 (default: the stage's list)")
+                        help="only these points, e.g. kivi2:131072x4,snapkv+kivi:131072x4 (default: the stage's list; "
+                             "the capacity stage searches their methods)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(2, "kivi_bench.py needs a CUDA device\n")
@@ -103,6 +104,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.stage in ("all", "capacity"):
         searched = ["kivi2", "snapkv+kivi", "snapkv+kivi-r32"] + ([] if args.quick else ["vanilla", "snapkv"])
+        if args.points:  # the methods of --points only (their contexts and batches are the search's own)
+            searched = list(dict.fromkeys(method for method, _, _ in _parse_points(args.points)))
         for method in searched:
             try:
                 found = decode.max_batch(model, method, 131072, wbytes, bandwidth, warmup, steps)

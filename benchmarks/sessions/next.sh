@@ -24,9 +24,10 @@
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `burst_compiled` (#13, ~8 min: compile_prefill's first compile now specializes floats, one variant fewer) and
-# `burst_compiled256` (~5 min); KIVI largest batch (#20); `verify`. #17 is done (2026-12-02: vanilla export_point,
-# load to first token 7.21 s, decode 98.0 % / 100.2 %; exported_form test passed, warm from the child-made cache).
+# `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time; then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test
+# after the regional compile_prefill and the attend op's SymInt layer; ~9 min); `profile` with the methods not yet
+# in user_path (#14). #17 is done (2026-12-02: vanilla export_point, load to first token 7.21 s, decode 98.0 % /
+# 100.2 %; exported_form test passed, warm from the child-made cache).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
@@ -142,6 +143,11 @@ burst_final)  # #13: eager capped and regional compiled bursts at 512 in one run
   tail -3 "$OUT/burst_final.log"
   for flag in "" --compile-prefill; do
     timeout 100 python3 benchmarks/step_ops.py $flag --out "$OUT/step_ops_h200_regional_b.jsonl" 2>&1 | grep "ops per"; done ;;
+kivi_capacity)  # #20: the largest batch at 128K of KM (default snapkv+kivi; snapkv+kivi-r32: residual 32), found by
+  # allocation, then decoded at it (~5 min each; one method a call)
+  timeout 560 python3 benchmarks/kivi_bench.py --quick --stage capacity --points ${KM:-snapkv+kivi}:131072x1 \
+    --out "$OUT/kivi_capacity_h200_${KM:-snapkv+kivi}.jsonl" > "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" | cut -c1-600 ;;
 export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
   # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
   timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \
@@ -173,5 +179,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
 esac
