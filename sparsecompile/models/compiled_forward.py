@@ -46,8 +46,10 @@ def opaque_attention(model: nn.Module, stand_in: OpaqueAttention | None = None) 
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules holding each attention layer (the decoder layers), in layer order."""
-    return [model.get_submodule(name.rpartition(".")[0]) for name, _ in attention_modules(model)]
+    """The modules holding each attention layer (the decoder layers), in layer order, less those whose ``forward``
+    is already an instance attribute (a hook's wrapper, e.g. accelerate's): they run as they are."""
+    layers = [model.get_submodule(name.rpartition(".")[0]) for name, _ in attention_modules(model)]
+    return [layer for layer in layers if "forward" not in vars(layer)]
 
 
 @contextmanager
