@@ -12,7 +12,9 @@ Per (method, context, batch) point, through the public API only (random bf16 wei
 * ``first_call_extra_s = t(first generate N) - t(generate N)`` (compile and capture on the first call);
 * ``warm_process_extra_s`` (``--warm-process``, 32K x 1 points): a new Python process (this script with ``--child``)
   that builds the model, optimizes it and calls ``generate`` N tokens with the on-disk compile cache already warm,
-  minus that process's second call: what a restarted server pays.
+  minus that process's second call: what a restarted server pays. With ``--warm-programs`` the parent first runs
+  ``sparsecompile.warmup(programs=True)`` at the point (``programs_build_s``), so the child loads the precompiled
+  decode program instead of tracing the step.
 
 Results: JSON lines ``user_path<TAG>.jsonl`` under ``--out`` (fields method, context, batch, generate_tok_s,
 engine_tok_s, first_call_extra_s, warm_process_extra_s, ...) and a table on stdout.
@@ -83,13 +85,32 @@ def compile_phases() -> dict[str, float]:
 
 def child(args: argparse.Namespace) -> None:
     """A fresh process: model, optimize, first and second generate; prints one JSON line."""
+    import logging
+
+    notes: list[str] = []  # whether the first generate() loaded a precompiled decode program or compiled the step
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logging.getLogger("sparsecompile").addHandler(handler)
     start = time.perf_counter()
     model = build_model(args.layers)
     built = time.perf_counter() - start
     row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens, 1)
     row["build_s"] = built
+    row["decode_step_notes"] = [n for n in notes if "decode" in n][:4]
     row["compile_phases_s"] = compile_phases()
     print("CHILD " + json.dumps(row), flush=True)
+
+
+def build_programs(model, method: str, context: int, batch: int, new_tokens: int) -> float:
+    """``warmup(programs=True)`` at the point's geometry (the child's ``generate()`` then finds the package)."""
+    sparsecompile.optimize(model, method, **METHOD_OPTIONS[method])
+    start = time.perf_counter()
+    try:
+        sparsecompile.warmup(model, (batch,), context, new_tokens, programs=True)
+    finally:
+        sparsecompile.restore(model)
+        torch.cuda.empty_cache()
+    return time.perf_counter() - start
 
 
 def warm_process_extra(args: argparse.Namespace, method: str, context: int, batch: int) -> float | None:
@@ -117,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-step rows")
     parser.add_argument("--warm-process", action="store_true", help="measure a new process with warm caches "
                                                                     "(32K x 1 points)")
+    parser.add_argument("--warm-programs", action="store_true", help="before the warm process, precompile its decode "
+                        "program (sparsecompile.warmup(programs=True)), which it then loads instead of tracing")
     parser.add_argument("--child-timeout", type=int, default=300)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tag", default="_h200")
@@ -144,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["engine_tok_s"] = engine.tok_s
                     row["generate_vs_engine"] = row["generate_tok_s"] / engine.tok_s
                 if args.warm_process and (context, batch) == (32768, 1):
+                    if args.warm_programs:  # precompile the decode program the child's generate() will load
+                        row["programs_build_s"] = build_programs(model, method, context, batch, args.new_tokens)
                     row["warm_process_extra_s"] = warm_process_extra(args, method, context, batch)
             except torch.OutOfMemoryError as err:
                 row = {"method": method, "context": context, "batch": batch, "error": f"out of memory: {err}"[:200]}

@@ -92,12 +92,17 @@ def compress(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def warmup(model: nn.Module, batch_sizes: tuple[int, ...] | list[int] = (1,), prompt_len: int = 1024,
-           max_new_tokens: int = 256) -> dict[int, float]:
+           max_new_tokens: int = 256, programs: bool = False) -> dict[int, float]:
     """Compile the decode step ahead of time, for each batch size, at the pool geometry ``generate()`` uses for
     prompts of ``prompt_len`` tokens and ``max_new_tokens`` new ones; returns seconds per batch size.
 
     Later ``generate()`` calls of that geometry in this process reuse the graphs; other processes find them in the
     on-disk compile cache (``EngineConfig.compile_cache``). ``sparsecompile warmup`` runs this from the shell.
+
+    ``programs``: also export each batch size's decode step and compile it into an AOTInductor package in the cache
+    (``serving/decode_programs.py``; minutes on an 8B model): a later process's ``optimize()`` + ``generate()`` of
+    that geometry then loads the program instead of tracing the step (dynamo's tracing is most of a warm process's
+    first call).
     """
     import time
 
@@ -113,6 +118,10 @@ def warmup(model: nn.Module, batch_sizes: tuple[int, ...] | list[int] = (1,), pr
         try:
             model.generate(ids, attention_mask=torch.ones_like(ids), **{patched.cache_name: cache}, max_new_tokens=3,
                            min_new_tokens=3, do_sample=False, pad_token_id=0)
+            if programs:  # at the geometry the generate() left (its pool is still held)
+                from .serving.decode_programs import build
+
+                build(model, batch)
         finally:
             cache.release()
         seconds[batch] = time.perf_counter() - start

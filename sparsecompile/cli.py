@@ -151,6 +151,8 @@ def build_parser(with_methods: bool = True) -> argparse.ArgumentParser:
     warm.add_argument("--prompt-len", type=int, default=1024, help="prompt length whose pool geometry to compile for "
                                                                    "(default: 1024)")
     warm.add_argument("--max-new-tokens", type=int, default=256, help="new tokens the pool is sized for (default: 256)")
+    warm.add_argument("--programs", action="store_true", help="also precompile each batch size's decode step into an "
+                      "AOTInductor package, which later processes load instead of tracing the step (minutes)")
     _add_engine(warm)
     if with_methods:
         _add_methods(warm)

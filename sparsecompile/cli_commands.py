@@ -229,7 +229,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     options = given_options(args, EngineConfig)
     options.setdefault("compile", True)
     sparsecompile.optimize(model, args.method, **options)
-    for batch, seconds in sparsecompile.warmup(model, args.batch_sizes, args.prompt_len, args.max_new_tokens).items():
+    for batch, seconds in sparsecompile.warmup(model, args.batch_sizes, args.prompt_len, args.max_new_tokens,
+                                               programs=args.programs).items():
         print(f"batch {batch}: {seconds:.1f} s", file=sys.stderr)
     return 0
 

@@ -35,13 +35,10 @@ The artifact directory: ``manifest.json`` (``serving/manifest.py``), ``prefill.p
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -51,8 +48,9 @@ import torch
 from torch import nn
 
 from .config import OPTION_KINDS, EngineConfig, ServingConfig
+from .serving.aoti_package import compile_package, inductor_configs
 from .serving.artifact import PhaseTimer
-from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, read, versions, write
+from .serving.manifest import FORMS, ArtifactError, device_facts, hash_files, read, write
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +155,11 @@ def _export_patched(model: nn.Module, tokenizer, method: str, routed: dict[str, 
         "decode": {"inputs": ["input_ids", "positions", "rows", "new_offsets", "num_new"],
                    "state": [slot.name for slot in state], "batch": [1, max_batch]},
     }
-    configs = _inductor_configs(controller.runtime.reads_pool_across_layers)
+    configs = inductor_configs(controller.runtime.reads_pool_across_layers)
     for key, ep in programs.items():
         if form == "aoti":
             file = f"{key}.pt2"
-            _compile_package(ep, out / file, configs, device_)
+            shutil.copyfile(compile_package(ep, configs, device_), out / file)
         else:
             file = f"{key}.ep.pt2"
             _save_program(ep, out / file)
@@ -218,54 +216,6 @@ def load(path: str | os.PathLike, *, device: str | None = None, verify: bool = T
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _inductor_configs(keep_order: bool) -> dict[str, Any]:
-    from .runtime.compilation import inductor_patches
-    from .serving.aoti_linkage import link_options
-
-    configs = inductor_patches(cuda_graphs=False, keep_order=keep_order)
-    configs["aot_inductor.package_constants_in_so"] = False  # weights: one safetensors file, handed over at load
-    configs.update(link_options())  # one libstdc++ in the loading process (see aoti_linkage)
-    return configs
-
-
-def _package_key(ep: torch.export.ExportedProgram, configs: dict[str, Any], device: torch.device) -> str:
-    """What an AOTI package depends on besides the weights' values (which it does not contain)."""
-    digest = hashlib.sha256()
-    digest.update(json.dumps({"versions": versions(), "device": device_facts(device), "configs": configs},
-                             sort_keys=True, default=str).encode())
-    digest.update(ep.graph_module.code.encode())
-    digest.update(str(ep.graph_signature).encode() + str(ep.range_constraints).encode())
-    for node in ep.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta.get("val")
-            digest.update(f"{node.name}:{getattr(val, 'shape', val)}:{getattr(val, 'dtype', '')}".encode())
-            if isinstance(val, torch.Tensor):
-                digest.update(str(val.stride()).encode())
-    for name, value in sorted(ep.constants.items()):
-        if isinstance(value, torch.Tensor):
-            digest.update(name.encode() + value.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _compile_package(ep: torch.export.ExportedProgram, target: Path, configs: dict[str, Any],
-                     device: torch.device) -> None:
-    """AOTInductor-compile ``ep`` into ``target``, reusing an identical package compiled before (the prefill
-    program is the same for every method of a model; ``$SPARSECOMPILE_CACHE/aoti``). A package that would not load
-    in this process (its own static libstdc++) fails here, with the reason, rather than in the serving process."""
-    from .models.default_model import cache_dir
-    from .serving.aoti_linkage import check_package
-
-    cached = cache_dir() / "aoti" / f"{_package_key(ep, configs, device)}.pt2"
-    if not cached.exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
-            built = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "package.pt2"),
-                                                             inductor_configs=configs)
-            check_package(Path(built))
-            os.replace(built, cached)
-    shutil.copyfile(cached, target)
-
-
 def _ship_compile_cache(out: Path, timer: PhaseTimer) -> None:
     """The fallback form's warm start: the decode program's compile cache, made by a fresh process that loads the
     written artifact and compiles every batch bucket (``serving/artifact_kernels.py`` says why not this process);

@@ -154,6 +154,10 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         controller.enable_compiled_decode(capture_backend(
             info.num_layers, decode_cuda_graphs(config.compile, config.cuda_graphs, device),
             keep_order=runtime.reads_pool_across_layers, fuse_linears=config.fuse_projections))
+        if config.compile_cache and shard is None:  # decode programs precompiled by warmup(programs=True) first
+            from .serving.decode_programs import PrecompiledDecode
+
+            controller.install_decode_step(PrecompiledDecode(model, controller, controller._compiled_decode))
     return model
 
 

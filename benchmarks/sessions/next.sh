@@ -24,7 +24,7 @@
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time; then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test
+# `programs` (#14 warm process through precompiled decode programs; METHOD=snapkv in a second call), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time; then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test
 # after the regional compile_prefill and the attend op's SymInt layer; ~9 min); `profile` with the methods not yet
 # in user_path (#14). #17 is done (2026-12-02: vanilla export_point, load to first token 7.21 s, decode 98.0 % /
 # 100.2 %; exported_form test passed, warm from the child-made cache).
@@ -148,6 +148,14 @@ kivi_capacity)  # #20: the largest batch at 128K of KM (default snapkv+kivi; sna
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage capacity --points ${KM:-snapkv+kivi}:131072x1 \
     --out "$OUT/kivi_capacity_h200_${KM:-snapkv+kivi}.jsonl" > "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" | cut -c1-600 ;;
+programs)  # #14: precompiled decode programs (serving/decode_programs.py): their GPU test, then a warm process that
+  # loads the program warmup(programs=True) built instead of tracing (METHOD, default vanilla; ~8 min)
+  timeout -s INT 200 $P tests/gpu/test_decode_programs_cuda.py > "$OUT/gpu_tests_decode_programs.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_decode_programs.log" | tail -5
+  timeout -s INT 380 python3 benchmarks/user_path.py --methods ${METHOD:-vanilla} --points 32768x1 --new-tokens 129 \
+    --repeats 3 --no-engine --warm-process --warm-programs --tag _h200_programs --out "$OUT" > "$OUT/user_path_programs.log" 2>&1
+  echo "rc=$?"; grep "compile phases\|precompiled\|loaded the" "$OUT/user_path_programs.log" | cut -c1-400
+  tail -3 "$OUT/user_path_programs.log" | cut -c1-250 ;;
 export)  # #17: AOTI packages linked against the shared libstdc++ (the crash's cause, serving/aoti_linkage.py): the
   # probe's default package must still crash, build_shared_libstdcxx / ops_aoti / artifact_load (form aoti) must load
   timeout 330 python3 benchmarks/aoti_probe.py --quick --timeout 60 --gdb-timeout 1 --workdir /tmp/probe \
@@ -179,5 +187,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
 esac

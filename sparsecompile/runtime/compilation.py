@@ -230,8 +230,12 @@ def enable_compile_caches() -> str:
 
 
 @contextmanager
-def compile_notice(what: str) -> Iterator[None]:
-    """Tell the user a graph is being compiled (the first call of each shape; later processes hit the disk cache)."""
+def compile_notice(what: str, compiles: bool = True) -> Iterator[None]:
+    """Tell the user a graph is being compiled (the first call of each shape; later processes hit the disk cache).
+    Silent when ``compiles`` is False (the step loads a precompiled program, which says so itself)."""
+    if not compiles:
+        yield
+        return
     logger.info("compiling %s (first call; cached on disk for later processes) ...", what)
     start = time.perf_counter()
     yield

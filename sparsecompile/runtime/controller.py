@@ -331,7 +331,8 @@ class SparseController(RowOperations, MixedForward):
         if self._compiled_decode is None:
             logits = self._decode_eager(inner, step, input_ids, step.positions)
         elif self._step_compiles and (key := (len(rows), self.manager.max_seqs)) not in self._compiled_shapes:
-            with compile_notice(f"the decode step for batch {len(rows)}"):
+            compiles = getattr(self._compiled_decode, "compiles", None)  # a step that may load a program instead
+            with compile_notice(f"the decode step for batch {len(rows)}", compiles is None or compiles(step)):
                 logits = self._compiled_decode(inner, step, input_ids, step.positions)
             self._compiled_shapes.add(key)
         else:
@@ -399,8 +400,10 @@ class SparseController(RowOperations, MixedForward):
 
     def install_decode_step(self, step_fn: Callable) -> None:
         """Run decode steps with ``step_fn(inner, step, input_ids, positions) -> logits`` (forward and
-        ``finish_step`` in one unit, like the compiled step): an exported artifact's decode program. Batches are then
-        padded to the serving engine's CUDA-graph sizes, as with a compiled step."""
+        ``finish_step`` in one unit, like the compiled step): an exported artifact's decode program, or precompiled
+        programs in front of the compiled step (``serving/decode_programs.py``; ``step_fn.compiles(step)`` then says
+        whether a step will compile). Batches are then padded to the serving engine's CUDA-graph sizes, as with a
+        compiled step."""
         self._compiled_decode = step_fn
 
     def enable_compiled_decode(self, backend: Callable) -> None:

@@ -183,7 +183,8 @@ class ArtifactDecode:
     captured); otherwise runs the program directly.
     """
 
-    def __init__(self, program, controller: SparseController, state_names: list[str]) -> None:
+    def __init__(self, program, controller: SparseController, state_names: list[str],
+                 capture_live: bool = False) -> None:
         self.program = program
         self.controller = controller
         self.state_names = list(state_names)
@@ -191,6 +192,9 @@ class ArtifactDecode:
         self.graphs: dict[int, _Graph] = {}
         self._capture = False
         self._pool = None
+        # capture a batch size's graph at its first real step (optimize()'s precompiled decode programs: generate()
+        # knows no buckets ahead); an artifact captures over padding steps at load instead (capture())
+        self.capture_live = capture_live and controller.layout.device.type == "cuda"
 
     def bind_state(self) -> None:
         """Resolve the state the program takes against this process's KV core (after the pool exists)."""
@@ -210,13 +214,18 @@ class ArtifactDecode:
         if self._capture:
             return self._record(step, input_ids)
         graph = self.graphs.get(input_ids.shape[0])
-        if graph is not None and graph.step is step:
-            if [t.data_ptr() for t in state_tensors(self.slots)] == graph.state_ptrs:
-                graph.input_ids.copy_(input_ids)
-                graph.graph.replay()
-                return graph.logits
-            log.warning("the KV state moved since the decode graphs were captured; running the program directly")
-            self.graphs.clear()
+        if graph is not None and (graph.step is not step
+                                  or [t.data_ptr() for t in state_tensors(self.slots)] != graph.state_ptrs):
+            if not self.capture_live:
+                log.warning("the KV state moved since the decode graphs were captured; running the program directly")
+            self.graphs.clear()  # (the pool grew, or a new step object: a capture_live step records it again)
+            graph = None
+        if graph is not None:
+            graph.input_ids.copy_(input_ids)
+            graph.graph.replay()
+            return graph.logits
+        if self.capture_live:
+            return self._record(step, input_ids)
         with torch.no_grad():
             return self.program(self._inputs(step, input_ids))[0]
 
@@ -243,16 +252,18 @@ class ArtifactDecode:
             self.controller.decode(None, [], empty, empty, pad_to=batch)
 
     def _record(self, step, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run the step once (outside any graph: kernel loading, allocator; this run is the step's effect and its
+        logits are returned), then record it into the batch size's graph (recording runs nothing)."""
         inputs = self._inputs(step, input_ids.clone())
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
-            self.program(inputs)  # warm-up outside the graph (kernel loading, allocator)
+            logits = self.program(inputs)[0]
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            logits = self.program(inputs)[0]
-        self.graphs[input_ids.shape[0]] = _Graph(graph, step, inputs[0], logits, [t.data_ptr() for t in inputs[5:]])
+            replayed = self.program(inputs)[0]
+        self.graphs[input_ids.shape[0]] = _Graph(graph, step, inputs[0], replayed, [t.data_ptr() for t in inputs[5:]])
         return logits
 
 
