@@ -81,8 +81,11 @@ def base_key(model: nn.Module, controller: SparseController) -> str:
 
 def shape_key(controller: SparseController, batch: int) -> str:
     """The batch size and the static shapes of the decode state (every dim but a pool tensor's page count)."""
-    shapes = [(slot.name, str(t.dtype), list(t.shape[1:] if slot.per_page else t.shape))
-              for slot in decode_state(controller) for t in (slot.get(),)]
+    shapes = []
+    for slot in decode_state(controller):
+        t = slot.get()  # None for a pool a storage format replaces (KIVI's k_pool / v_pool)
+        dims = None if t is None else list(t.shape[1:] if slot.per_page else t.shape)
+        shapes.append((slot.name, None if t is None else str(t.dtype), dims))
     return hashlib.sha256(json.dumps([batch, shapes]).encode()).hexdigest()[:16]
 
 
