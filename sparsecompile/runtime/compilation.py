@@ -175,8 +175,8 @@ def apply_deferred_marks() -> None:
 def compile_forward(fn: Callable, backend: str | Callable = "inductor", layer_index_dynamic: bool = False) -> Callable:
     """Compile a prefill / mixed-step forward (``models/compiled_forward.py``): ``backend`` (inductor; tests may
     pass ``aot_eager``), dynamic shapes (one graph for every token count), the decode step's guard filter, through a
-    private code object (see :func:`compile_step`). A few variants exist (batch 1 or more, one kept position per
-    row or more: dynamo specializes sizes of 1): :func:`allow_recompiles` covers them.
+    private code object (see :func:`compile_step`). A few variants exist (dynamo specializes sizes of 1: batch 1 or
+    more): :func:`allow_recompiles` covers them.
 
     ``layer_index_dynamic``: ``fn`` is a decoder layer's ``forward`` compiled once for every layer (regional
     compilation): int attributes of the modules it reads become symbolic inputs instead of constants, so the

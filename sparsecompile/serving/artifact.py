@@ -217,7 +217,8 @@ class ArtifactDecode:
         if graph is not None and (graph.step is not step
                                   or [t.data_ptr() for t in state_tensors(self.slots)] != graph.state_ptrs):
             if not self.capture_live:
-                log.warning("the KV state moved since the decode graphs were captured; running the program directly")
+                log.warning("the KV state or the decode step moved since the decode graphs were captured; running "
+                            "the program directly")
             self.graphs.clear()  # (the pool grew, or a new step object: a capture_live step records it again)
             graph = None
         if graph is not None:
