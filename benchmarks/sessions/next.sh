@@ -20,14 +20,17 @@
 #   bash benchmarks/sessions/next.sh mixed      # #13 item 6: GPU tests of the mixed step and KIVI; burst separate /
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
+#   bash benchmarks/sessions/next.sh kivi_kernel  # #20 KIVI kernel: GPU tests, config sweep, ncu (ran 2026-12-02) ~4 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `programs` (#14 warm process through precompiled decode programs; METHOD=snapkv in a second call), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time; then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test
-# after the regional compile_prefill and the attend op's SymInt layer; ~9 min); `profile` with the methods not yet
-# in user_path (#14). #17 is done (2026-12-02: vanilla export_point, load to first token 7.21 s, decode 98.0 % /
-# 100.2 %; exported_form test passed, warm from the child-made cache).
+# `programs` with METHOD=snapkv (vanilla ran 2026-12-02: warm process 0.25 s over steady; the GPU test passed once
+# its quest case got dense_layers=0), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time;
+# then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test after the regional compile_prefill and the attend
+# op's SymInt layer; ~9 min); `profile` with the methods not yet in user_path (#14). #17 is done (2026-12-02: vanilla
+# export_point, load to first token 7.21 s, decode 98.0 % / 100.2 %; exported_form test passed, warm from the
+# child-made cache).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
@@ -109,6 +112,15 @@ profile)
   timeout -s INT 540 python3 benchmarks/user_path.py --methods snapkv,vanilla --points 32768x1 --new-tokens 129 \
     --repeats 3 --steps 64 --warm-process --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"
   grep "compile phases" "$OUT/user_path.log" | cut -c1-600; tail -6 "$OUT/user_path.log" | cut -c1-250 ;;
+kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config sweep, one ncu launch (~4 min;
+  # 2026-12-02: two bit-plane rewrites measured this way, results/kivi_kernel_variants_h200.md)
+  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi.log" | tail -6
+  timeout -s INT 330 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -E "best_of_sweep|error" "$OUT/kivi_sweep.log" | cut -c1-330 | tail -14
+  timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernels.py --only kivi --quick \
+    --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;
@@ -187,5 +199,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel"; exit 2 ;;
 esac
