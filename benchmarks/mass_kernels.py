@@ -149,8 +149,9 @@ def mass_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dic
     if sweep:
         decode += [{**MASS_DECODE_CONFIG, "block_n": bn, "num_warps": w, "num_stages": st}
                    for bn in (64, 128, 256) for w in (4, 8) for st in (1, 2, 3)]
-        prefill += [{**MASS_PREFILL_CONFIG, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
-                    for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+        prefill += [{**MASS_PREFILL_CONFIG, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st,
+                     "super": sup}
+                    for sup in (1, 4) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
         prefill += [{**MASS_PREFILL_CONFIG, "skip": False}]
         split += [({**LSE_CONFIG, "block_n": bn, "target_programs": tp}, None) for bn in (64, 128)
                   for tp in (264, 528, 1056)]
@@ -160,6 +161,8 @@ def mass_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dic
     rows += _guarded("h2o decode", _h2o_decode, copies, iters, decode)
     rows += _guarded("h2o prefill 32K", _h2o_prefill, 2, iters, prefill, 32768)
     rows += _guarded("h2o prefill 4K", _h2o_prefill, copies, iters, prefill, 4096)
+    # H2O's default prefill: 8192-token chunks over the kept budget (2048) plus the chunk
+    rows += _guarded("h2o prefill 8K chunk", _h2o_prefill, 2, iters, prefill, 10240, 8192)
     rows += _guarded("snapkv", _snapkv, copies, iters, split)
     rows += _guarded("kvzip", _kvzip, copies, iters, split if not sweep else split[:1] + split[7:])
     return rows

@@ -153,9 +153,11 @@ def _prefill_case(device, window=0, queries=11):
 
 
 @triton_only
-@pytest.mark.parametrize("window", [0, 9])
-def test_triton_mass_ops_prefill_paths(window):
-    """Several query tiles per slot tile (skipped where invisible), per-head tiles, split lse."""
+@pytest.mark.parametrize("window,super_tiles", [(0, 1), (9, 1), (9, 2)])
+def test_triton_mass_ops_prefill_paths(window, super_tiles):
+    """Several query tiles per slot tile (skipped where invisible, per tile or per super tile of two), per-head
+    tiles, split lse."""
+    small = {**SMALL, "super": super_tiles}
     from sparsecompile.kernels.attention_mass import attention_lse_triton
     from sparsecompile.kernels.h2o_scores import h2o_accumulate_lse_triton, h2o_accumulate_triton
     from sparsecompile.kernels.kvzip_scores import kvzip_scores_triton
@@ -165,15 +167,15 @@ def test_triton_mass_ops_prefill_paths(window):
     query, *args = _prefill_case(device, window, queries=17)
     lse = attention_lse_reference(query, *args)
     torch.testing.assert_close(attention_lse_triton(query, *args, config=SPLIT), lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kvzip_scores_triton(query, *args, lse_config=SPLIT, mass_config=SMALL),
+    torch.testing.assert_close(kvzip_scores_triton(query, *args, lse_config=SPLIT, mass_config=small),
                                kvzip_scores_reference(query, *args), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(snapkv_scores_triton(query, *args, mass_config=SMALL),
+    torch.testing.assert_close(snapkv_scores_triton(query, *args, mass_config=small),
                                snapkv_scores_reference(query, *args), atol=1e-5, rtol=1e-5)
     want = torch.rand(NUM_PAGES + 1, HEADS, PAGE, generator=torch.Generator().manual_seed(0)).to(device)
     got, got_lse = want.clone(), want.clone()
     h2o_accumulate_reference(want, query, *args)
-    h2o_accumulate_triton(got, query, *args, lse_config=SPLIT, mass_config=SMALL)
-    h2o_accumulate_lse_triton(got_lse, query, *args[:5], lse, *args[5:], mass_config=SMALL)
+    h2o_accumulate_triton(got, query, *args, lse_config=SPLIT, mass_config=small)
+    h2o_accumulate_lse_triton(got_lse, query, *args[:5], lse, *args[5:], mass_config=small)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, want, atol=1e-5, rtol=1e-5)
 

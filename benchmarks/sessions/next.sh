@@ -20,13 +20,16 @@
 #   bash benchmarks/sessions/next.sh mixed      # #13 item 6: GPU tests of the mixed step and KIVI; burst separate /
 #                                               #   mixed / capped 512, capped 256 (ran 2026-12-01, first version) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
+#   bash benchmarks/sessions/next.sh mass_sweep   # #13 mass pass configs incl. super tiles (h2o prefill) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_kernel  # #20 KIVI kernel: GPU tests, config sweep, ncu (ran 2026-12-02) ~4 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `programs` with METHOD=snapkv (vanilla ran 2026-12-02: warm process 0.25 s over steady; the GPU test passed once
-# its quest case got dense_layers=0), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time;
+# `mass_sweep` (#13 h2o prefill: the mass pass runs its QK^T at 150 TFLOP/s, kernels_mass_h200.jsonl; if a "super"
+# config wins, make it MASS_PREFILL_CONFIG and rerun prefill.py for h2o), `programs` with METHOD=snapkv (vanilla
+# ran 2026-12-02: warm process 0.25 s over steady; the GPU test passed once its quest case got dense_layers=0),
+# `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time;
 # then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test after the regional compile_prefill and the attend
 # op's SymInt layer; ~9 min); `profile` with the methods not yet in user_path (#14). #17 is done (2026-12-02: vanilla
 # export_point, load to first token 7.21 s, decode 98.0 % / 100.2 %; exported_form test passed, warm from the
@@ -99,6 +102,10 @@ kivi_fix)  # #20 after the in-place commit: the 128K x 4 points
   timeout 400 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4,snapkv+kivi:131072x4,kivi2:32768x1 \
     --out "$OUT/kivi_h200_b.jsonl" > "$OUT/kivi_b.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_b.log" | tail -12
   grep '"tok_s"' "$OUT/kivi_h200_b.jsonl" | cut -c1-260 ;;
+mass_sweep)  # #13 h2o prefill (1.30x vanilla at 32K): the mass pass's launch configs, "super" tiles (a branch-free
+  # inner loop) against the per-tile skip, at H2O's default 8192-token chunk too (~5 min)
+  timeout -s INT 420 python3 benchmarks/kernels.py --only mass --sweep --quick --out "$OUT" > "$OUT/kernels_mass_sweep.log" 2>&1
+  echo "rc=$?"; grep -E "prefill" "$OUT/kernels_mass_sweep.log" | sort -t: -k1,1 | cut -c1-260 | tail -40 ;;
 ops)  # + quest_ops_sweep.py: Quest's page-score launch configs and the top-k select's warps at 128K x 4 (~2 min)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220
@@ -199,5 +206,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep"; exit 2 ;;
 esac

@@ -194,9 +194,10 @@ if triton is not None:
                      KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      IEEE: tl.constexpr, REDUCE: tl.constexpr, TARGET: tl.constexpr, HEADS_OUT: tl.constexpr,
-                     SKIP: tl.constexpr):
+                     SKIP: tl.constexpr, SUPER: tl.constexpr):
         """One program: BLOCK_N view slots of one (sequence, kv_head), their keys loaded once, every query row
-        looped over in BLOCK_M tiles (per head of the group for ``TARGET == TO_HEAD``, else all rows at once)."""
+        looped over in BLOCK_M tiles (per head of the group for ``TARGET == TO_HEAD``, else all rows at once),
+        grouped in super tiles of ``SUPER`` tiles for the visibility skip."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // KV_HEADS
@@ -216,35 +217,46 @@ if triton is not None:
             rows_total = num_queries * GROUP  # row = query * GROUP + head-in-group (HEADS_OUT = 1)
         rows_total = tl.where(start < length, rows_total, 0)  # a tile past the list does nothing
         total = tl.zeros([BLOCK_N], tl.float32)
+        SUPER_ROWS: tl.constexpr = BLOCK_M * SUPER
         for g in tl.static_range(HEADS_OUT):
             # reduced over the rows once at the end: a per-tile row reduction would cross warps every iteration
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for r0 in range(0, rows_total, BLOCK_M):
-                r = r0 + tl.arange(0, BLOCK_M)
-                row_ok = r < rows_total
-                if TARGET == _TO_HEAD:
-                    t = r
-                    qh = h * GROUP + g + r * 0
-                else:
-                    t = r // GROUP
-                    qh = h * GROUP + r % GROUP
-                qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+            # rows go in super tiles of SUPER query tiles: whether any row of a super tile sees any slot of the slot
+            # tile is decided once (one vector load of its positions), and the inner loop has no branch, so its
+            # loads can be pipelined; a live super tile's invisible rows are computed and masked
+            for s0 in range(0, rows_total, SUPER_ROWS):
                 live = True
-                if SKIP:  # can any query of this tile see any slot of the slot tile?
-                    qhi = tl.max(qpos, 0)
-                    qlo = tl.min(tl.where(qpos >= 0, qpos, 1 << 30), 0)
+                if SKIP:
+                    rs = s0 + tl.arange(0, SUPER_ROWS)
+                    if TARGET == _TO_HEAD:
+                        ts = rs
+                    else:
+                        ts = rs // GROUP
+                    qps = tl.load(QPOS + b * stride_pb + ts, mask=rs < rows_total, other=-1).to(tl.int32)
+                    qhi = tl.max(qps, 0)
+                    qlo = tl.min(tl.where(qps >= 0, qps, 1 << 30), 0)
                     live = (qhi >= kmin) & ((window <= 0) | (kmax > qlo - window))
                 if live:
-                    q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                                mask=row_ok[:, None] & dmask[None, :], other=0.0)
-                    lse = tl.load(LSE + b * stride_eb + qh * stride_eh + t * stride_et, mask=row_ok, other=0.0)
-                    s, vis = _log2_logits(q, k, kpos, qpos, c, window, IEEE)
-                    # where(), not a product: exp2 of an invisible logit can overflow
-                    p = tl.where(vis, tl.exp2(s - (lse * 1.4426950408889634)[:, None]), 0.0)
-                    if REDUCE == _MAX:
-                        acc = tl.maximum(acc, p)
-                    else:
-                        acc += p
+                    for r0 in range(s0, tl.minimum(s0 + SUPER_ROWS, rows_total), BLOCK_M):
+                        r = r0 + tl.arange(0, BLOCK_M)
+                        row_ok = r < rows_total
+                        if TARGET == _TO_HEAD:
+                            t = r
+                            qh = h * GROUP + g + r * 0
+                        else:
+                            t = r // GROUP
+                            qh = h * GROUP + r % GROUP
+                        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+                        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt
+                                    + d[None, :], mask=row_ok[:, None] & dmask[None, :], other=0.0)
+                        lse = tl.load(LSE + b * stride_eb + qh * stride_eh + t * stride_et, mask=row_ok, other=0.0)
+                        s, vis = _log2_logits(q, k, kpos, qpos, c, window, IEEE)
+                        # where(), not a product: exp2 of an invisible logit can overflow
+                        p = tl.where(vis, tl.exp2(s - (lse * 1.4426950408889634)[:, None]), 0.0)
+                        if REDUCE == _MAX:
+                            acc = tl.maximum(acc, p)
+                        else:
+                            acc += p
             if REDUCE == _MAX:
                 col = tl.max(acc, 0)
             else:
@@ -267,7 +279,8 @@ if triton is not None:
 
 
 # Launch configurations (benchmarks/kernels.py --only mass --sweep times the alternatives on the H200);
-# the mass pass also takes "skip": False to test every query tile instead of skipping invisible ones.
+# the mass pass also takes "skip": False to test every query tile instead of skipping invisible ones, and
+# "super": S to decide the skip once per S query tiles (a branch-free inner loop; 1: per tile, the default).
 LSE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 MASS_DECODE_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 4, "num_stages": 2}
 MASS_PREFILL_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2}
@@ -337,6 +350,7 @@ def attention_mass_triton(out: torch.Tensor, query: torch.Tensor, k_pool: torch.
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=query.dtype == torch.float32, REDUCE=reduce, TARGET=target,
         HEADS_OUT=group if target == TO_HEAD else 1, SKIP=cfg.get("skip", True) and rows > block_m,
+        SUPER=cfg.get("super", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -20,7 +20,8 @@ from sparsecompile.serving.decode_programs import PrecompiledDecode  # noqa: E40
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("method,options", [("vanilla", {}), ("h2o", {"budget": 48}), ("quest", {"budget": 48, "dense_layers": 0})])
+@pytest.mark.parametrize("method,options", [("vanilla", {}), ("h2o", {"budget": 48}),
+                                            ("quest", {"budget": 48, "dense_layers": 0})])  # 2 layers: none dense
 def test_a_precompiled_program_serves_generate_with_its_cuda_graph(method, options, tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
     _, model = tiny_pair()
