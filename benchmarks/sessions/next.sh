@@ -27,7 +27,8 @@
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # `mass_sweep` (#13 h2o prefill: the mass pass runs its QK^T at 150 TFLOP/s, kernels_mass_h200.jsonl; if a "super"
-# config wins, make it MASS_PREFILL_CONFIG and rerun prefill.py for h2o), `programs` with METHOD=snapkv (vanilla
+# config wins, make it MASS_PREFILL_CONFIG and rerun prefill.py for h2o), `ops` (#14 quest: topk_select r2, 16
+# two-bit passes, against r1's 32 one-bit ones: if faster, make 2 the default), `programs` with METHOD=snapkv (vanilla
 # ran 2026-12-02: warm process 0.25 s over steady; the GPU test passed once its quest case got dense_layers=0),
 # `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time;
 # then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test after the regional compile_prefill and the attend
