@@ -6,6 +6,8 @@ the eager one here (``compile_step`` patched): what is tested is the program, no
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from tiny_models import tiny_pair
@@ -17,7 +19,7 @@ from sparsecompile.serving.decode_programs import LiveWeights, PrecompiledDecode
 
 
 @pytest.mark.slow
-def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, monkeypatch):
+def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
     monkeypatch.setattr(controller_module, "compile_step", lambda fn, backend: fn)
     _, model = tiny_pair("llama")
@@ -42,6 +44,15 @@ def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, 
 
     pair = model.generate(ids.repeat(2, 1), max_new_tokens=9, do_sample=False)  # no program at batch 2
     assert set(fallback) == {2} and pair.tolist() == expected.repeat(2, 1).tolist()
+
+    # a damaged cache entry is passed over with a warning: the compiled step runs, generate() does not fail
+    (info,) = (directory() / base_key(model, controller)).glob("*.json")
+    info.write_text("{truncated")
+    sparsecompile.restore(model)
+    sparsecompile.optimize(model, "h2o", **options)
+    with caplog.at_level(logging.WARNING, logger="sparsecompile"):
+        again = model.generate(ids, max_new_tokens=9, do_sample=False)
+    assert again.tolist() == expected.tolist() and "not using the precompiled decode program" in caplog.text
 
 
 def test_live_weights_fuse_projections_without_copies():

@@ -197,19 +197,21 @@ class PrecompiledDecode:
         if not (path.exists() and info.exists()):
             return None
         start = time.perf_counter()
-        spec = json.loads(info.read_text())
-        extra: dict[str, torch.Tensor] = {}
-        if spec["constants"]:
-            from safetensors.torch import load_file
-
-            device = self.controller.layout.device
-            extra = {k: v.to(device) for k, v in load_file(str(self.root / f"{key}.constants.safetensors")).items()}
         try:
+            spec = json.loads(info.read_text())
+            extra: dict[str, torch.Tensor] = {}
+            if spec["constants"]:
+                from safetensors.torch import load_file
+
+                device = self.controller.layout.device
+                extra = {k: v.to(device)
+                         for k, v in load_file(str(self.root / f"{key}.constants.safetensors")).items()}
             program = AOTIProgram(path, self.controller.layout.device, LiveWeights(self.model, extra),
                                   single_threaded=True)
-        except (ArtifactError, RuntimeError) as err:  # a constant the model lacks, a package that cannot load here
-            log.warning("not using the precompiled decode program %s (%s): compiling the decode step instead", path,
-                        err)
+        except (ArtifactError, RuntimeError, OSError, ValueError, KeyError, TypeError) as err:
+            # a damaged or partial cache entry, a constant the model lacks, a package that cannot load here
+            log.warning("not using the precompiled decode program %s (%s: %s): compiling the decode step instead",
+                        path, type(err).__name__, err)
             return None
         runner = ArtifactDecode(program, self.controller, spec["state"], capture_live=True)
         log.info("loaded the precompiled decode program for batch %d in %.1f s", batch, time.perf_counter() - start)
