@@ -135,9 +135,16 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
     use, ``evict <= max_evict`` (static). Afterwards slots ``0..count-evict-1`` hold the kept entries; only
     ``max_evict`` slots per head move, so this is cheap enough for every decode step.
     """
+    new_count = (count - evict)[:, None, None]
+    if max_evict == 1:  # one victim a step (``interval`` 1, the default): a few fused ops, not the plan below
+        victim = torch.where(valid, scores, INF).argmin(dim=-1, keepdim=True)  # [batch, kv_heads, 1], lowest slot
+        # the tail slot refills the hole; a victim that is the tail itself (new_count) leaves no hole
+        hole = (evict[:, None, None] > 0) & (victim < new_count)
+        manager.fill_slots(layer, rows, torch.where(hole, new_count.expand_as(victim), -1),
+                           torch.where(hole, victim, -1))
+        return
     m = min(max_evict, scores.shape[-1])
     k = torch.arange(m, device=scores.device)
-    new_count = (count - evict)[:, None, None]
     victims = torch.where(valid, scores, INF).topk(m, dim=-1, largest=False).indices  # [batch, kv_heads, m]
     chosen = k < evict[:, None, None]
     hole = chosen & (victims < new_count)
