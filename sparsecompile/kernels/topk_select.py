@@ -110,7 +110,7 @@ if triton is not None:
         greater = tl.zeros([], dtype=tl.int64)  # keys above every candidate of the remaining digits
         live = valid
         for i in tl.static_range(16):
-            shift: tl.constexpr = 30 - 2 * i
+            shift = 30 - 2 * i
             digit = ((key >> shift) & 3).to(tl.int64)
             packed = tl.sum(tl.where(live, tl.full(digit.shape, 1, tl.int64) << (16 * digit), 0), 0)
             c3 = (packed >> 48) & 0xFFFF
