@@ -1,5 +1,6 @@
 """The floors of README's Layout hold (import-linter), and every option has one source (the config dataclasses)."""
 
+import logging
 import subprocess
 import sys
 import time
@@ -13,7 +14,15 @@ from sparsecompile.config import EngineConfig, MethodConfigError, ServingConfig,
 def test_imports_run_only_down_the_floors():
     from importlinter.cli import lint_imports
 
-    assert lint_imports(config_filename="pyproject.toml") == 0, "run `lint-imports` to see which import breaks"
+    # lint_imports configures logging with dictConfig, which disables every logger that exists (ours included) for
+    # the rest of the process: later tests that read sparsecompile's warnings would see nothing
+    loggers = [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = {lg: lg.disabled for lg in loggers}
+    try:
+        assert lint_imports(config_filename="pyproject.toml") == 0, "run `lint-imports` to see which import breaks"
+    finally:
+        for lg, flag in disabled.items():
+            lg.disabled = flag
 
 
 def test_options_are_routed_by_the_dataclass_that_declares_them():

@@ -50,9 +50,15 @@ def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, 
     info.write_text("{truncated")
     sparsecompile.restore(model)
     sparsecompile.optimize(model, "h2o", **options)
-    with caplog.at_level(logging.WARNING, logger="sparsecompile"):
-        again = model.generate(ids, max_new_tokens=9, do_sample=False)
-    assert again.tolist() == expected.tolist() and "not using the precompiled decode program" in caplog.text
+    logger = logging.getLogger("sparsecompile")  # (it does not propagate to the root logger caplog watches)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sparsecompile"):  # whatever level an earlier test left
+            again = model.generate(ids, max_new_tokens=9, do_sample=False)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "not using the precompiled decode program" in caplog.text
+    assert again.tolist() == expected.tolist()
 
 
 def test_live_weights_fuse_projections_without_copies():
