@@ -137,13 +137,15 @@ SPLIT = {"block_n": 16, "target_programs": 64}
 
 def _prefill_case(device, window=0, queries=11):
     """A chunk of ``queries`` queries at the end of a 40-token sequence whose pages hold positions in view order
-    (so some query tiles see none of a slot tile and are skipped); the second row's list is shorter and its
-    first two queries are padding."""
+    (so some query tiles see none of a slot tile and are skipped, and some see all of it: the unmasked path); the
+    second row's list is shorter and its first two queries are padding; slot 1 of both lists holds no token (a hole
+    inside a slot tile that the first row's queries otherwise see whole)."""
     g = torch.Generator().manual_seed(5)
     k = torch.randn(NUM_PAGES + 1, HEADS, PAGE, DIM, generator=g)
     pos = torch.full((NUM_PAGES + 1, HEADS, PAGE), -1, dtype=torch.int32)
     order = torch.randperm(NUM_PAGES, generator=g)  # the pool pages holding positions 0-3, 4-7, ...
     pos[order] = (torch.arange(NUM_PAGES * PAGE).view(NUM_PAGES, 1, PAGE).expand(-1, HEADS, -1)).int()
+    pos[order[0], :, 1] = -1
     index = order[None, None].expand(2, HEADS, -1).int().contiguous()
     lengths = torch.tensor([[40, 40], [37, 40]], dtype=torch.int32)
     query = torch.randn(2, HEADS * GROUP, queries, DIM, generator=g)

@@ -14,8 +14,10 @@ On CUDA the work is two kernels, neither with atomics:
    split over the slots (split-K) so that few queries over many keys still fill the GPU; the splits
    are merged with ``torch.logsumexp``. H2O takes the lse from the attention and skips this pass.
 2. :func:`attention_mass_triton`: one program per (sequence, kv_head, slot tile) loads its keys once
-   and loops over the query rows, ``p = exp(scale * q.k - lse)``; every output element belongs to one
-   program, so it is written with a plain store (or read-add-write into the pool-shaped buffer).
+   and loops over the query rows, ``p = exp(scale * q.k - lse)`` (computed transposed, keys by queries, and
+   without the per-element mask where a whole group of query tiles sees the whole slot tile); every output
+   element belongs to one program, so it is written with a plain store (or read-add-write into the
+   pool-shaped buffer).
 """
 
 from __future__ import annotations
@@ -188,6 +190,32 @@ if triton is not None:
         tl.store(MID + ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split, lse, mask=row_ok)
 
     @triton.jit
+    def _dot_t(k, q, IEEE: tl.constexpr):
+        """``[BLOCK_N, BLOCK_M]`` fp32 raw logits ``K Q^T``."""
+        if IEEE:
+            return tl.dot(k, tl.trans(q), input_precision="ieee")
+        return tl.dot(k, tl.trans(q))
+
+    @triton.jit
+    def _row_tile(Q, QPOS, LSE, b, h, g, r0, rows_total, d, dmask, stride_qb, stride_qh, stride_qt, stride_pb,
+                  stride_eb, stride_eh, stride_et, GROUP: tl.constexpr, TARGET: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Query rows ``r0 + [0, BLOCK_M)``: ``q [BLOCK_M, BLOCK_D]`` (0 past ``rows_total``), positions (-1 there)
+        and the log-sum-exp in log2 units (+inf there, so that those rows give exp2(-inf) = 0)."""
+        r = r0 + tl.arange(0, BLOCK_M)
+        row_ok = r < rows_total
+        if TARGET == _TO_HEAD:
+            t = r
+            qh = h * GROUP + g + r * 0
+        else:
+            t = r // GROUP
+            qh = h * GROUP + r % GROUP
+        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        lse = tl.load(LSE + b * stride_eb + qh * stride_eh + t * stride_et, mask=row_ok, other=float("inf"))
+        return q, qpos, lse * 1.4426950408889634
+
+    @triton.jit
     def _mass_kernel(Q, K, POS, INDEX, LENGTHS, QPOS, LSE, OUT, stride_qb, stride_qh, stride_qt, stride_ib,
                      stride_ih, stride_lb, stride_lh, stride_pb, stride_eb, stride_eh, stride_et, stride_ob,
                      stride_oh, c, weight, window, num_queries,
@@ -197,17 +225,25 @@ if triton is not None:
                      SKIP: tl.constexpr, SUPER: tl.constexpr):
         """One program: BLOCK_N view slots of one (sequence, kv_head), their keys loaded once, every query row
         looped over in BLOCK_M tiles (per head of the group for ``TARGET == TO_HEAD``, else all rows at once),
-        grouped in super tiles of ``SUPER`` tiles for the visibility skip."""
+        grouped in super tiles of ``SUPER`` tiles for the visibility decisions.
+
+        The logits are computed transposed, ``s^T = K Q^T [BLOCK_N, BLOCK_M]``, as the backward pass of flash
+        attention computes dK: the loop-invariant keys are the register operand and the streamed queries the
+        shared-memory one, and the reduction over queries is along the tile's second axis. A super tile that every
+        one of its rows sees whole (no causal, window or padding cut; slots that hold no token are dropped per
+        column at the end) runs ``exp2(c s - lse)`` and an add per element, without the per-element mask."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
+        c = tl.cast(c, tl.float32)  # (a Python float arrives as fp64 under inductor)
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
         start = pid_n * BLOCK_N
         k, kpos, base, jmask = _key_tile(K, POS, INDEX + b * stride_ib + h * stride_ih, h, start, length, d, dmask,
                                          KV_HEADS, PAGE, BLOCK, HEAD_DIM, BLOCK_N)
+        k = k.to(Q.dtype.element_ty)
         j = start + tl.arange(0, BLOCK_N)
         kmin = tl.min(tl.where(kpos >= 0, kpos, 1 << 30), 0)
         kmax = tl.max(kpos, 0)
@@ -220,47 +256,56 @@ if triton is not None:
         SUPER_ROWS: tl.constexpr = BLOCK_M * SUPER
         for g in tl.static_range(HEADS_OUT):
             # reduced over the rows once at the end: a per-tile row reduction would cross warps every iteration
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            # rows go in super tiles of SUPER query tiles: whether any row of a super tile sees any slot of the slot
-            # tile is decided once (one vector load of its positions), and the inner loop has no branch, so its
-            # loads can be pipelined; a live super tile's invisible rows are computed and masked
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s0 in range(0, rows_total, SUPER_ROWS):
                 live = True
-                if SKIP:
+                whole = False
+                if SKIP:  # one vector load of the super tile's positions decides for all its rows
                     rs = s0 + tl.arange(0, SUPER_ROWS)
                     if TARGET == _TO_HEAD:
                         ts = rs
                     else:
                         ts = rs // GROUP
-                    qps = tl.load(QPOS + b * stride_pb + ts, mask=rs < rows_total, other=-1).to(tl.int32)
+                    in_rows = rs < rows_total
+                    qps = tl.load(QPOS + b * stride_pb + ts, mask=in_rows, other=-1).to(tl.int32)
                     qhi = tl.max(qps, 0)
                     qlo = tl.min(tl.where(qps >= 0, qps, 1 << 30), 0)
+                    unpadded = tl.min(tl.where(in_rows, qps, 0), 0) >= 0
                     live = (qhi >= kmin) & ((window <= 0) | (kmax > qlo - window))
+                    whole = (kmax <= qlo) & ((window <= 0) | (kmin > qhi - window)) & unpadded
                 if live:
-                    for r0 in range(s0, tl.minimum(s0 + SUPER_ROWS, rows_total), BLOCK_M):
-                        r = r0 + tl.arange(0, BLOCK_M)
-                        row_ok = r < rows_total
-                        if TARGET == _TO_HEAD:
-                            t = r
-                            qh = h * GROUP + g + r * 0
-                        else:
-                            t = r // GROUP
-                            qh = h * GROUP + r % GROUP
-                        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
-                        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + t[:, None] * stride_qt
-                                    + d[None, :], mask=row_ok[:, None] & dmask[None, :], other=0.0)
-                        lse = tl.load(LSE + b * stride_eb + qh * stride_eh + t * stride_et, mask=row_ok, other=0.0)
-                        s, vis = _log2_logits(q, k, kpos, qpos, c, window, IEEE)
-                        # where(), not a product: exp2 of an invisible logit can overflow
-                        p = tl.where(vis, tl.exp2(s - (lse * 1.4426950408889634)[:, None]), 0.0)
-                        if REDUCE == _MAX:
-                            acc = tl.maximum(acc, p)
-                        else:
-                            acc += p
+                    hi = tl.minimum(s0 + SUPER_ROWS, rows_total)
+                    if whole:
+                        for r0 in range(s0, hi, BLOCK_M):
+                            q, qpos, lse2 = _row_tile(Q, QPOS, LSE, b, h, g, r0, rows_total, d, dmask, stride_qb,
+                                                      stride_qh, stride_qt, stride_pb, stride_eb, stride_eh,
+                                                      stride_et, GROUP, TARGET, BLOCK_M)
+                            s = _dot_t(k, q, IEEE)
+                            p = tl.exp2(s * c - lse2[None, :])
+                            if REDUCE == _MAX:
+                                acc = tl.maximum(acc, p)
+                            else:
+                                acc += p
+                    else:
+                        for r0 in range(s0, hi, BLOCK_M):
+                            q, qpos, lse2 = _row_tile(Q, QPOS, LSE, b, h, g, r0, rows_total, d, dmask, stride_qb,
+                                                      stride_qh, stride_qt, stride_pb, stride_eb, stride_eh,
+                                                      stride_et, GROUP, TARGET, BLOCK_M)
+                            s = _dot_t(k, q, IEEE)
+                            vis = (kpos[:, None] >= 0) & (kpos[:, None] <= qpos[None, :])
+                            if window > 0:
+                                vis = vis & (kpos[:, None] > qpos[None, :] - window)
+                            # where(), not a product: exp2 of an invisible logit can overflow
+                            p = tl.where(vis, tl.exp2(s * c - lse2[None, :]), 0.0)
+                            if REDUCE == _MAX:
+                                acc = tl.maximum(acc, p)
+                            else:
+                                acc += p
             if REDUCE == _MAX:
-                col = tl.max(acc, 0)
+                col = tl.max(acc, 1)
             else:
-                col = tl.sum(acc, 0)
+                col = tl.sum(acc, 1)
+            col = tl.where(kpos >= 0, col, 0.0)  # a slot without a token got terms from the unmasked tiles
             if TARGET == _TO_HEAD:
                 tl.store(OUT + b * stride_ob + (h * GROUP + g) * stride_oh + j, col, mask=jmask)
             else:
@@ -277,13 +322,15 @@ if triton is not None:
                 new = old + total
             tl.store(OUT + base, new, mask=jmask)
 
-
 # Launch configurations (benchmarks/kernels.py --only mass --sweep times the alternatives on the H200);
 # the mass pass also takes "skip": False to test every query tile instead of skipping invisible ones, and
-# "super": S to decide the skip once per S query tiles (a branch-free inner loop; 1: per tile, the default).
+# "super": S to decide skipping and masking once per S query tiles. The prefill default is the fastest of 25 at
+# H2O's 8192-token chunk (benchmarks/sessions/mass_ab.py, results/mass_ab2_h200.jsonl: 1.59 ms, 260 TFLOP/s of
+# QK^T, against 3.41 ms for the kernel before the transposed tiles); super tiles of 16 let the inner loop run
+# long enough for its query loads to be pipelined (super 1: 4.4 ms).
 LSE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 MASS_DECODE_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 4, "num_stages": 2}
-MASS_PREFILL_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2}
+MASS_PREFILL_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "super": 16}
 _MIN_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _LOG2E = 1.4426950408889634  # the kernels work in exp2 / log2
 
