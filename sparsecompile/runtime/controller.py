@@ -240,14 +240,18 @@ class SparseController(RowOperations, MixedForward):
         outputs = []
         if self.runtime.needs_prompt_tokens and input_ids is None:
             raise ValueError(f"{self.runtime.name} re-reads the prompt's token ids: pass input_ids, not inputs_embeds")
+        # the host's copies, read once: a device-to-host read per chunk would wait for the previous chunk's kernels,
+        # and the GPU would then idle while the host books the next chunk (h2o's 8192-token chunks at 32K)
+        valid_host, positions_host = valid.cpu(), positions.cpu()
+        ids_host = input_ids.cpu() if self.runtime.needs_prompt_tokens else None
         for start in range(0, tokens, chunk):
             stop = min(tokens, start + chunk)
             last = stop == tokens
-            step = StepState.build(rows, valid[:, start:stop], positions[:, start:stop], is_prefill=True,
+            step = StepState.build(rows, valid_host[:, start:stop], positions_host[:, start:stop], is_prefill=True,
                                    is_last_chunk=[last and f for f in finals], device=self.layout.device)
             if self.runtime.needs_prompt_tokens:
-                step.prompt_tokens = valid_tokens(input_ids[:, start:stop], valid[:, start:stop],
-                                                   positions[:, start:stop])
+                step.prompt_tokens = valid_tokens(ids_host[:, start:stop], valid_host[:, start:stop],
+                                                   positions_host[:, start:stop])
             keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
             self._begin(step)
             step.slot_plan = self.manager.slot_plan(step)
