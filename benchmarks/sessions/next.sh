@@ -22,19 +22,20 @@
 #   bash benchmarks/sessions/next.sh kivi_fix   # #20 kivi2 / snapkv+kivi points after the in-place commit (ran) ~4 min
 #   bash benchmarks/sessions/next.sh mass_sweep   # #13 mass pass configs incl. super tiles (h2o prefill) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_kernel  # #20 KIVI kernel: GPU tests, config sweep, ncu (ran 2026-12-02) ~4 min
+#   bash benchmarks/sessions/next.sh mass_ab      # #13 transposed mass kernel vs the earlier one; h2o prefill (ran) ~3 min
+#   bash benchmarks/sessions/next.sh mass_ab2     # #13 its super-tile / stage sweep, h2o profile, topk r1 / r2 (ran) ~3 min
+#   bash benchmarks/sessions/next.sh mass         # the attention-mass rows of kernels.py (decode, SnapKV, KVzip)  ~2 min
+#   bash benchmarks/sessions/next.sh verify_b     # the second half of verify (prefill attention incl. flex, selection)
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
+# 2026-12-02 fourth session: mass_ab, mass_ab2 (the transposed mass kernel: 1.59 ms at H2O's 8192 chunk, 2.1x;
+# h2o prefill 1.12x vanilla at 32K), verify (83 passed, then the 600 s limit at the flex tests) + the rest by hand
+# (63 passed), sync_points.py (h2o, vanilla), prefill h2o / vanilla / HF x5 after the host-copy commit.
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `mass_sweep` (#13 h2o prefill: the mass pass runs its QK^T at 150 TFLOP/s, kernels_mass_h200.jsonl; if a "super"
-# config wins, make it MASS_PREFILL_CONFIG and rerun prefill.py for h2o), `ops` (#14 quest: topk_select r2, 16
-# two-bit passes, against r1's 32 one-bit ones: if faster, make 2 the default), `programs` with METHOD=snapkv (vanilla
-# ran 2026-12-02: warm process 0.25 s over steady; the GPU test passed once its quest case got dense_layers=0),
-# `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch, cut last time;
-# then KM=snapkv+kivi-r32; ~5 min each); `verify` (every GPU test after the regional compile_prefill and the attend
-# op's SymInt layer; ~9 min); `profile` with the methods not yet in user_path (#14). #17 is done (2026-12-02: vanilla
-# export_point, load to first token 7.21 s, decode 98.0 % / 100.2 %; exported_form test passed, warm from the
-# child-made cache).
+# `mass` (kernels.py --only mass: the reworked mass kernel's decode-size and SnapKV timings, not measured since the
+# rework; ~2 min), `programs` with METHOD=snapkv (#14 warm process; ~8 min), `kivi_capacity` (#20: snapkv+kivi's
+# decode at its largest batch; ~5 min), `profile` with the methods not yet in user_path (#14).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
@@ -107,15 +108,51 @@ mass_sweep)  # #13 h2o prefill (1.30x vanilla at 32K): the mass pass's launch co
   # inner loop) against the per-tile skip, at H2O's default 8192-token chunk too (~5 min)
   timeout -s INT 420 python3 benchmarks/kernels.py --only mass --sweep --quick --out "$OUT" > "$OUT/kernels_mass_sweep.log" 2>&1
   echo "rc=$?"; grep -E "prefill" "$OUT/kernels_mass_sweep.log" | sort -t: -k1,1 | cut -c1-260 | tail -40 ;;
+mass_ab)  # #13 h2o prefill: the transposed mass kernel (keys as the register operand, unmasked whole tiles) against
+  # the previous one: GPU tests, the A/B sweep (mass_ab.py), then the fastest config as the device copy's default,
+  # h2o's and vanilla's prefill at 32K at their default chunks and 4096 / 16384, beside HF (~9 min)
+  timeout -s INT 120 $P tests/gpu/test_mass_cuda.py > "$OUT/gpu_tests_mass.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_mass.log" | tail -5
+  timeout 240 python3 benchmarks/sessions/mass_ab.py --before benchmarks/sessions/attention_mass_before.py \
+    --quick --apply-best > "$OUT/mass_ab_h200.jsonl" 2> "$OUT/mass_ab.err"
+  echo "ab rc=$?"; grep -v Warn "$OUT/mass_ab.err" | tail -14
+  timeout -s INT 200 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,h2o --contexts 32768 \
+    --batches 1 --chunk-sizes default,4096,16384 --repeats 3 --out "$OUT" --tag _h200_mass > "$OUT/prefill_mass.log" 2>&1
+  echo "prefill rc=$?"; grep '"system"' "$OUT/prefill_mass.log" | cut -c1-220 ;;
+mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, SnapKV window, KVzip) with the current
+  # kernel (~2 min)
+  timeout -s INT 200 python3 benchmarks/kernels.py --only mass --out "$OUT" > "$OUT/kernels_mass.log" 2>&1
+  echo "rc=$?"; grep -E "us" "$OUT/kernels_mass.log" | cut -c1-220 | tail -12 ;;
+mass_ab2)  # #13 h2o prefill after mass_ab (2026-12-02: super tiles of 4, 4 warps: 1.70 ms at the 8192 chunk, 2x the
+  # previous kernel): supers 4-16 x stages 2-3 x tiles, the fastest made the device default; HF / vanilla / h2o at
+  # 32K (3 runs each), one profiled h2o run; topk_select r1 / r2 (#14 quest) (~6 min)
+  timeout 240 python3 benchmarks/sessions/mass_ab.py --before benchmarks/sessions/attention_mass_before.py --apply-best \
+    --grid "${GRID:-4,8,16;2,3;64x128x4,64x64x4,32x128x4,64x128x8}" > "$OUT/mass_ab2_h200.jsonl" 2> "$OUT/mass_ab2.err"
+  echo "ab rc=$?"; grep -v Warn "$OUT/mass_ab2.err" | tail -14
+  timeout -s INT 100 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,h2o --contexts 32768 \
+    --batches 1 --chunk-sizes default --repeats 3 --out "$OUT" --tag _h200_mass2 > "$OUT/prefill_mass2.log" 2>&1
+  echo "prefill rc=$?"; grep '"system"' "$OUT/prefill_mass2.log" | cut -c1-220
+  timeout -s INT 60 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 32768 --batches 1 \
+    --chunk-sizes default --profile --out "$OUT" --tag _h200_mass2 > "$OUT/prefill_h2o_profile.log" 2>&1
+  echo "profile rc=$?"; grep -A14 "category" "$OUT"/profile_prefill_*h2o*mass2.txt | head -16
+  timeout -s INT 100 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  echo "ops rc=$?"; grep -E "topk" "$OUT/kernels_ops.log" | cut -c1-220 ;;
 ops)  # + quest_ops_sweep.py: Quest's page-score launch configs and the top-k select's warps at 128K x 4 (~2 min)
   timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220
   timeout 200 python3 benchmarks/sessions/quest_ops_sweep.py > "$OUT/quest_ops_sweep_h200.jsonl"; echo "sweep rc=$?"
   cut -c1-200 "$OUT/quest_ops_sweep_h200.jsonl" ;;
-verify)
-  timeout -s INT 540 $P tests/gpu tests/test_eviction_kernels.py --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
+verify)  # every GPU test but export / TP, in two calls (2026-12-02: one call ran past 600 s at the flex tests)
+  timeout -s INT 520 $P tests/gpu --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
+    --ignore=tests/gpu/test_prefill_attention_cuda.py --ignore=tests/gpu/test_prefill_no_sync.py \
+    --ignore=tests/gpu/test_sampling_cuda.py --ignore=tests/gpu/test_selection_cuda.py \
     > "$OUT/gpu_tests_verify.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify.log" | tail -12 ;;
+verify_b)  # the rest of verify (~4 min with the flex compiles)
+  timeout -s INT 520 $P tests/gpu/test_prefill_attention_cuda.py tests/gpu/test_prefill_no_sync.py \
+    tests/gpu/test_sampling_cuda.py tests/gpu/test_selection_cuda.py tests/test_eviction_kernels.py \
+    > "$OUT/gpu_tests_verify_b.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify_b.log" | tail -12 ;;
 profile)
   timeout -s INT 540 python3 benchmarks/user_path.py --methods snapkv,vanilla --points 32768x1 --new-tokens 129 \
     --repeats 3 --steps 64 --warm-process --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"
@@ -207,5 +244,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|verify|verify_b"; exit 2 ;;
 esac

@@ -12,8 +12,9 @@ row once as 32-bit order keys, radix passes find the ``count``-th largest, and o
 writes the winners with a running prefix sum (no sort; ascending by construction). The passes are 32
 one-bit block reductions (``radix_bits=1``, the default, measured: 31 us a layer for Quest at 128K x 4,
 ``results/profile_quest_128k_b4.txt``), 16 two-bit ones whose four digit counts share one int64 reduction
-(``radix_bits=2``: half the dependent reductions; not yet timed on the H200) or four 8-bit histograms
-(``radix_bits=8``: 67 us, ``tl.histogram`` is slow; ``results/kernels_ops_h200_c.jsonl``). Longer rows
+(``radix_bits=2``: half the dependent reductions, yet 44.2 us against one-bit's 32.5 us on the H200,
+``results/kernels_ops_h200_d.jsonl``) or four 8-bit histograms (``radix_bits=8``: 67 us, ``tl.histogram`` is
+slow; ``results/kernels_ops_h200_c.jsonl``). Longer rows
 (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over many
 blocks, and the same tie rule and prefix-sum placement in torch ops.
 """
