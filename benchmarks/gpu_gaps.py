@@ -1,7 +1,7 @@
 """Where the GPU idles during one call: the host-side gaps of a ``generate()`` (issue #13: our 32K prefill runs the
 same kernel time as HF's forward, 1.36 s, but takes 1.46-1.51 s of wall time).
 
-    python benchmarks/gpu_gaps.py [--method vanilla] [--context 32768] [--new-tokens 1] [--out DIR]
+    python benchmarks/gpu_gaps.py [--method vanilla] [--context 32768] [--chunk N] [--new-tokens 1] [--out DIR]
     python benchmarks/gpu_gaps.py --tiny --layers 2 --device cpu --context 256      (CPU smoke run: no GPU gaps)
 
 After two warm calls at the timed length, one ``optimize(...)`` + ``generate(max_new_tokens=N)`` runs under
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=1)
     parser.add_argument("--min-gap-ms", type=float, default=1.0)
     parser.add_argument("--hf", action="store_true", help="also trace the unpatched forward")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="prefill_chunk_size (0: the whole prompt; default: the method's own, e.g. h2o's 8192)")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 model(ids, logits_to_keep=1)
         forward(), forward()
         reports.append("## HF forward\n" + gaps_report(*trace_of(forward, cuda), args.min_gap_ms))
-    sparsecompile.optimize(model, args.method, prefill_chunk_size=0, **METHOD_OPTIONS[args.method])
+    chunk = {} if args.chunk is None else {"prefill_chunk_size": args.chunk}
+    sparsecompile.optimize(model, args.method, **chunk, **METHOD_OPTIONS[args.method])
 
     def generate() -> None:
         _generate(model, ids, args.new_tokens)
