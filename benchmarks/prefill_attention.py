@@ -5,10 +5,13 @@
 Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16, page 16), prefill steps laid out
 as the engine lays them out (tests/prefill_cases.py: page view, new tokens in the last slots, pages scattered over
 the pool). Points: whole prompts of 8K and 32K; chunks of 2048 / 8192 / 16384 at the end of a 32K and a 128K
-prompt (the prefix is everything before); batch 1 and 4; a sliding-window chunk and an evicted chunk (per-head
-positions in random slot order, 2% empty slots).
+prompt (the prefix is everything before); batch 1 and 4; a sliding-window chunk, an evicted chunk (per-head
+positions in random slot order, 2% empty slots) and H2O's default step (an 8192-token chunk after 2,048 kept
+slots per head).
 
-Rows per point: ``triton`` (the new kernel), ``sdpa`` (gather + flash; it says when it fell back), ``flex`` (gather
+Rows per point: ``triton`` (the new kernel), ``sdpa`` (gather + flash; it says when it fell back), ``split``
+(cuDNN causal over the step's own K/V + cuDNN over the gathered older slots, merged by log-sum-exp; points without
+a window or holes, the own K/V given as the controller gives them), ``flex`` (gather
 + FlexAttention; batch 1 only, as each new shape may recompile), ``paged_attention`` (today's prefill path, batch 1
 only) and the SDPA ceilings on contiguous q/k/v of the same sizes (``ceiling_flash``: the flash kernel with native
 GQA, lower-right causal; ``ceiling_default``: public SDPA with enable_gqa, whatever backend it picks;
@@ -48,10 +51,12 @@ DEFAULT_POINTS = [
     ("window 4096, chunk 2048 @ 32K", 1, 32 * K, 2048, {"window": 4096}),
     ("evicted 8K of 16K, chunk 2048", 1, 8 * K + 2048, 2048, {"evict": True, "holes": 0.02}),
     ("evicted 8K of 16K, chunk 2048", 4, 8 * K + 2048, 2048, {"evict": True, "holes": 0.02}),
+    ("h2o: chunk 8192 after 2048 kept", 1, 10 * K, 8 * K, {"evict": True}),  # H2O's default chunk, per-head kept
 ]
 QUICK_POINTS = [p for p in DEFAULT_POINTS if (p[0], p[1]) in {
     ("whole 8K", 1), ("chunk 2048 @ 32K", 1), ("chunk 2048 @ 32K", 4), ("chunk 2048 @ 128K", 1),
-    ("window 4096, chunk 2048 @ 32K", 1), ("evicted 8K of 16K, chunk 2048", 1)}]
+    ("window 4096, chunk 2048 @ 32K", 1), ("evicted 8K of 16K, chunk 2048", 1),
+    ("h2o: chunk 8192 after 2048 kept", 1)}]
 SWEEP_CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                  for m, n, w, s in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3),
                                     (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4)]]
@@ -143,7 +148,13 @@ def bench_point(name: str, batch: int, context: int, chunk: int, options: dict, 
     base = {"point": name, "batch": batch, "context": context, "chunk": chunk, "prefix": prefix,
             "window": options.get("window", 0), "evicted": bool(options.get("evict")), "visible_pairs": pairs}
     rows, reference = [], None
-    for variant, fn in _variants(batch, flex).items():
+    variants = _variants(batch, flex)
+    if not options.get("window") and not options.get("holes"):  # cuDNN split: dense steps (as the dispatch takes it)
+        own = {id(c): tuple(pa.gather_view(c[p], c["index"], PAGE, context)[:, :, prefix:].contiguous()
+                            for p in ("k_pool", "v_pool")) for c in cases}
+        variants["split"] = lambda c: pa.prefill_attention_split(c["query"], c["k_pool"], c["v_pool"], c["index"],
+                                                                 PAGE, c["scale"], context, *own[id(c)])
+    for variant, fn in variants.items():
         row = {**base, "variant": variant}
         try:
             if variant == "sdpa":
@@ -194,7 +205,7 @@ def bench_point(name: str, batch: int, context: int, chunk: int, options: dict, 
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["triton", "sdpa", "flex", "paged_attention", "ceiling_flash", "ceiling_default", "ceiling_cudnn"]
+    cols = ["triton", "sdpa", "split", "flex", "paged_attention", "ceiling_flash", "ceiling_default", "ceiling_cudnn"]
     lines = [f"{'point':32} {'B':>2} " + " ".join(f"{c[:15]:>21}" for c in cols),
              " " * 36 + " ".join(f"{'ms  TF/s  %sdpa':>21}" for _ in cols)]
     points = []

@@ -17,6 +17,7 @@ from sparsecompile.kernels.prefill_attention import (
     prefill_attention_flex,
     prefill_attention_reference,
     prefill_attention_sdpa,
+    prefill_attention_split,
     sdpa_applicable,
 )
 
@@ -139,6 +140,21 @@ def test_dense_helper_is_causal_attention_over_the_steps_own_keys():
     value = case["v_pool"][slots // page, head, slots % page]
     _assert_matches(prefill_attention_dense(case["query"], key, value, case["scale"]),
                     prefill_attention_reference(**case))
+
+
+@pytest.mark.parametrize("prefix,new", [([0, 0], [9, 9]), ([13, 13], [7, 7]), ([5], [12])])
+def test_split_variant_merges_own_and_prefix_attention(prefix, new):
+    """cuDNN's split (here the CPU flash kernel stands in for it): causal over the step's own K/V, unmasked over the
+    older slots, merged by log-sum-exps, equals the reference, with and without a prefix (also a prefix shorter
+    than the chunk and off the page boundary); the own part comes from the given K/V, not from the pool."""
+    case = prefill_case(prefix, new, seed=9)
+    length = prefix[0] + new[0]
+    key = gather_view_of(case, "k_pool", length)[:, :, prefix[0]:]
+    value = gather_view_of(case, "v_pool", length)[:, :, prefix[0]:]
+    args = (case["query"], case["k_pool"], case["v_pool"], case["index"], case["block_size"], case["scale"], length)
+    _assert_matches(prefill_attention_split(*args, key, value), prefill_attention_reference(**case))
+    out, _ = prefill_attention_split(*args, torch.randn_like(key), value)
+    assert not torch.allclose(out, prefill_attention_reference(**case)[0])
 
 
 def test_opcheck():

@@ -26,6 +26,7 @@
 #   bash benchmarks/sessions/next.sh mass_ab2     # #13 its super-tile / stage sweep, h2o profile, topk r1 / r2 (ran) ~3 min
 #   bash benchmarks/sessions/next.sh mass         # the attention-mass rows of kernels.py (decode, SnapKV, KVzip)  ~2 min
 #   bash benchmarks/sessions/next.sh verify_b     # the second half of verify (prefill attention incl. flex, selection)
+#   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -33,6 +34,8 @@
 # h2o prefill 1.12x vanilla at 32K), verify (83 passed, then the 600 s limit at the flex tests) + the rest by hand
 # (63 passed), sync_points.py (h2o, vanilla), prefill h2o / vanilla / HF x5 after the host-copy commit.
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
+# `split` (#13: cuDNN in two calls for h2o's chunks and lse-needing dense steps; if faster, make SPLIT the default),
+# GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (larger super tiles: 4 -> 8 -> 16 kept helping),
 # `mass` (kernels.py --only mass: the reworked mass kernel's decode-size and SnapKV timings, not measured since the
 # rework; ~2 min), `programs` with METHOD=snapkv (#14 warm process; ~8 min), `kivi_capacity` (#20: snapkv+kivi's
 # decode at its largest batch; ~5 min), `profile` with the methods not yet in user_path (#14).
@@ -113,12 +116,26 @@ mass_ab)  # #13 h2o prefill: the transposed mass kernel (keys as the register op
   # h2o's and vanilla's prefill at 32K at their default chunks and 4096 / 16384, beside HF (~9 min)
   timeout -s INT 120 $P tests/gpu/test_mass_cuda.py > "$OUT/gpu_tests_mass.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_mass.log" | tail -5
-  timeout 240 python3 benchmarks/sessions/mass_ab.py --before benchmarks/sessions/attention_mass_before.py \
+  timeout 240 python3 benchmarks/sessions/mass_ab.py $([ -f benchmarks/sessions/attention_mass_before.py ] && echo --before benchmarks/sessions/attention_mass_before.py) \
     --quick --apply-best > "$OUT/mass_ab_h200.jsonl" 2> "$OUT/mass_ab.err"
   echo "ab rc=$?"; grep -v Warn "$OUT/mass_ab.err" | tail -14
   timeout -s INT 200 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,h2o --contexts 32768 \
     --batches 1 --chunk-sizes default,4096,16384 --repeats 3 --out "$OUT" --tag _h200_mass > "$OUT/prefill_mass.log" 2>&1
   echo "prefill rc=$?"; grep '"system"' "$OUT/prefill_mass.log" | cut -c1-220 ;;
+split)  # #13 h2o prefill: cuDNN split for host-vouched dense steps (kernels/prefill_attention.py SPLIT, off until
+  # timed): its GPU tests, the attention benchmark's split rows, then SPLIT on in the device copy and h2o / vanilla /
+  # HF at 32K (3 runs each) and h2o at 128K (~7 min)
+  timeout -s INT 150 $P tests/gpu/test_prefill_attention_cuda.py -k "split or vouched" > "$OUT/gpu_tests_split.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_split.log" | tail -6
+  timeout -s INT 150 python3 benchmarks/prefill_attention.py --quick --no-flex --out "$OUT" > "$OUT/prefill_attention_split.log" 2>&1
+  echo "bench rc=$?"; grep -E '"(split|sdpa|ceiling_cudnn|ceiling_flash)"' "$OUT/prefill_attention_split.log" | cut -c1-200
+  sed -i 's/^SPLIT = False/SPLIT = True/' sparsecompile/kernels/prefill_attention.py; grep -n "^SPLIT" sparsecompile/kernels/prefill_attention.py
+  timeout -s INT 200 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,h2o,snapkv \
+    --contexts 32768 --batches 1 --chunk-sizes default --repeats 3 --out "$OUT" --tag _h200_split > "$OUT/prefill_split.log" 2>&1
+  echo "prefill rc=$?"; grep '"system"' "$OUT/prefill_split.log" | cut -c1-220
+  timeout -s INT 100 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 131072 \
+    --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_split > "$OUT/prefill_split128.log" 2>&1
+  echo "128K rc=$?"; grep '"system"' "$OUT/prefill_split128.log" | cut -c1-220 ;;
 mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, SnapKV window, KVzip) with the current
   # kernel (~2 min)
   timeout -s INT 200 python3 benchmarks/kernels.py --only mass --out "$OUT" > "$OUT/kernels_mass.log" 2>&1
@@ -126,7 +143,7 @@ mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, Sna
 mass_ab2)  # #13 h2o prefill after mass_ab (2026-12-02: super tiles of 4, 4 warps: 1.70 ms at the 8192 chunk, 2x the
   # previous kernel): supers 4-16 x stages 2-3 x tiles, the fastest made the device default; HF / vanilla / h2o at
   # 32K (3 runs each), one profiled h2o run; topk_select r1 / r2 (#14 quest) (~6 min)
-  timeout 240 python3 benchmarks/sessions/mass_ab.py --before benchmarks/sessions/attention_mass_before.py --apply-best \
+  timeout 240 python3 benchmarks/sessions/mass_ab.py $([ -f benchmarks/sessions/attention_mass_before.py ] && echo --before benchmarks/sessions/attention_mass_before.py) --apply-best \
     --grid "${GRID:-4,8,16;2,3;64x128x4,64x64x4,32x128x4,64x128x8}" > "$OUT/mass_ab2_h200.jsonl" 2> "$OUT/mass_ab2.err"
   echo "ab rc=$?"; grep -v Warn "$OUT/mass_ab2.err" | tail -14
   timeout -s INT 100 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,h2o --contexts 32768 \
@@ -244,5 +261,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|verify|verify_b"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|verify|verify_b"; exit 2 ;;
 esac

@@ -25,6 +25,9 @@ CUDA implementations, chosen by :data:`CUDA_IMPL` (the benchmark ``benchmarks/pr
   reads the verdict and ``N`` with **one host sync per call**, then falls back to the Triton kernel if invalid.
   Static fallbacks (no sync): a window, a slot-list view, fp32. A caller that knows the answer from host state
   passes ``known_length`` and nothing syncs.
+* ``"split"`` (:func:`prefill_attention_split`, not a :data:`CUDA_IMPL`: the dispatch takes it for host-vouched
+  dense steps given the step's own K/V, see :data:`SPLIT`): cuDNN's causal attention over the step's own K/V and its
+  unmasked attention over the gathered older slots, merged by their log-sum-exps.
 * ``"flex"`` (:func:`prefill_attention_flex`): gathers the whole view capacity (``index.shape[-1] * block_size``
   slots, no sync) and runs FlexAttention with a position ``mask_mod`` and a block mask built on the device; exact
   in every case (padding, holes, windows). Compiled by dynamo (dynamic shapes after the first recompile).
@@ -52,6 +55,10 @@ except ImportError:  # pragma: no cover
 
 #: CUDA implementation of the op: "triton", "sdpa" or "flex" (see the module docstring).
 CUDA_IMPL = "triton"
+#: True: host-vouched dense steps that need the log-sum-exp or follow a prefix take :func:`prefill_attention_split`
+#: (cuDNN, two calls) where :func:`split_applicable`; False: gather + flash. Off until the H200 has timed it
+#: (``benchmarks/prefill_attention.py`` rows "split"; expected from cuDNN's 576 against flash's 307 TFLOP/s).
+SPLIT = False
 
 
 # ----------------------------------------------------------------------------------------- gather-based variants
@@ -88,6 +95,53 @@ def _flash_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), 0.0, mask is None,
             attn_mask=mask, scale=scale)
     return res[0].transpose(1, 2).contiguous(), res[1][..., :queries].float()
+
+
+def _sdpa_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [B, Hq, T, D]`` over ``key/value [B, Hkv, N, D]``, unmasked or with the top-left causal
+    mask, native GQA, with its log-sum-exp: ``out [B, Hq, T, D]`` (any strides) and ``lse [B, Hq, T]`` fp32. CUDA:
+    cuDNN (its fused kernel runs a causal 8K prompt at 576 TFLOP/s on the H200, flash at 307); CPU (tests): the CPU
+    flash kernel."""
+    batch, q_heads, queries = query.shape[:3]
+    if query.is_cuda:
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, causal, False,
+                                                                 scale=scale)
+    else:
+        group = q_heads // key.shape[1]
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), 0.0, causal, scale=scale)
+    return res[0], res[1].float().reshape(batch, q_heads, -1)[..., :queries]
+
+
+def prefill_attention_split(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, index: torch.Tensor,
+                            block_size: int, scale: float, length: int, key: torch.Tensor,
+                            value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host-vouched dense step (every list ``length`` slots, no padding, no hole, no window) as two fused attention
+    calls merged by their log-sum-exps: the queries over their own ``key/value [B, Hkv, T, D]`` with the top-left
+    causal mask, and over the ``length - T`` older slots gathered from the pool, unmasked (the module's contract:
+    every earlier slot holds an older token). Flash's lower-right causal mask does both in one call, at about half
+    of cuDNN's speed; cuDNN has only the top-left one, hence the split. Returns ``out [B, T, Hq, D]`` contiguous and
+    ``lse [B, Hq, T]``."""
+    queries = query.shape[2]
+    out, lse = _sdpa_with_lse(query, key, value, True, scale)
+    prefix = length - queries
+    if prefix > 0:
+        out_p, lse_p = _sdpa_with_lse(query, gather_view(k_pool, index, block_size, prefix),
+                                      gather_view(v_pool, index, block_size, prefix), False, scale)
+        total = torch.logaddexp(lse, lse_p)
+        out = out.float().mul_(torch.exp(lse - total)[..., None]).add_(
+            out_p.float().mul_(torch.exp(lse_p - total)[..., None])).to(query.dtype)
+        lse = total
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def split_applicable(query: torch.Tensor) -> bool:
+    """May the CUDA dispatch take :func:`prefill_attention_split`? cuDNN's fused attention, enabled in torch, on a
+    Hopper or later GPU (measured there; elsewhere gather + flash stays), head_dim a multiple of 8 up to 128."""
+    head_dim = query.shape[-1]
+    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(query.device)[0] >= 9
+            and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def prefill_attention_dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -219,9 +273,10 @@ def _cuda(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new,
     """CUDA dispatch, by measurement on the H200 (benchmarks/results/prefill_attention*.jsonl): with the lists'
     length vouched for by the host (``known_length >= 0``: no padding, equal lengths, no empty slot, no window),
     a whole prompt without prefix runs public SDPA (cuDNN: 576 TFLOP/s at 8K, against 307 for the flash kernel and
-    225 for the Triton kernel) unless its log-sum-exp is needed, and a chunk after a prefix runs gather + flash
-    (262-309 TFLOP/s, 75-88 % of contiguous flash, against 235-246 for Triton); everything else, the Triton kernel
-    (:data:`CUDA_IMPL` overrides it for experiments)."""
+    225 for the Triton kernel) unless its log-sum-exp is needed, and a chunk after a prefix (or a whole prompt
+    whose log-sum-exp is needed) runs gather + flash (262-309 TFLOP/s, 75-88 % of contiguous flash, against 235-246
+    for Triton), or with :data:`SPLIT` cuDNN in two calls; everything else, the Triton kernel (:data:`CUDA_IMPL`
+    overrides it for experiments)."""
     queries = query.shape[2]
     exact = (known_length >= queries and sliding_window <= 0 and block_size == k_pool.shape[2]
              and query.dtype in (torch.bfloat16, torch.float16))
@@ -232,6 +287,8 @@ def _cuda(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new,
             out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                                    enable_gqa=True)
             return out.transpose(1, 2).contiguous(), query.new_empty(query.shape[:3], dtype=torch.float32)
+        if key is not None and value is not None and SPLIT and split_applicable(query):
+            return prefill_attention_split(query, k_pool, v_pool, index, block_size, scale, known_length, key, value)
         return prefill_attention_sdpa(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new,
                                       block_size, scale, sliding_window, known_length=known_length)
     launch = _IMPLEMENTATIONS.get(CUDA_IMPL, prefill_attention_triton)
@@ -273,6 +330,7 @@ paged_prefill_attention = define_op(
     fake=_fake,
 )
 
-__all__ = ["CUDA_IMPL", "paged_prefill_attention", "prefill_attention_reference", "prefill_attention_triton",
-           "prefill_attention_sdpa", "prefill_attention_flex", "prefill_attention_dense", "gather_view",
-           "sdpa_applicable", "prefill_config", "PREFILL_LARGE_CONFIG", "PREFILL_SMALL_CONFIG", "PREFILL_FP32_CONFIG"]
+__all__ = ["CUDA_IMPL", "SPLIT", "paged_prefill_attention", "prefill_attention_reference",
+           "prefill_attention_triton", "prefill_attention_sdpa", "prefill_attention_split", "prefill_attention_flex",
+           "prefill_attention_dense", "gather_view", "split_applicable", "sdpa_applicable", "prefill_config",
+           "PREFILL_LARGE_CONFIG", "PREFILL_SMALL_CONFIG", "PREFILL_FP32_CONFIG"]

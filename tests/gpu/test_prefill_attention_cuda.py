@@ -106,19 +106,36 @@ def test_triton_and_flex_do_not_sync():
         torch.cuda.set_sync_debug_mode(previous)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name,want_lse", [("whole_prompt", False), ("whole_prompt", True), ("chunk_exact", True)])
-def test_op_dispatch_with_host_vouched_lengths(name, want_lse):
-    """The op's CUDA dispatch with ``known_length`` (what the controller passes for dense steps): cuDNN SDPA for a
-    whole prompt without lse, gather + flash otherwise; the same results as the reference."""
+def test_op_dispatch_with_host_vouched_lengths(name, want_lse, split, monkeypatch):
+    """The op's CUDA dispatch with ``known_length`` and the step's own K/V (what the controller passes for dense
+    steps): cuDNN SDPA for a whole prompt without lse; otherwise gather + flash, or with ``SPLIT`` cuDNN's causal
+    attention over the own K/V merged with its unmasked attention over the older slots; the same results as the
+    reference."""
+    monkeypatch.setattr(pa, "SPLIT", split)
     case = prefill_case(**{**SHAPE, **CASES[name]}, seed=5)
     known = int(case["lengths"].max())
-    extra = {}
-    if known == case["query"].shape[2]:  # a whole prompt: also through the step's own K/V (the controller's call)
-        extra = {name: pa.gather_view(case[pool], case["index"], case["block_size"], known)
-                 for name, pool in (("key", "k_pool"), ("value", "v_pool"))}
+    new = case["query"].shape[2]
+    extra = {name: pa.gather_view(case[pool], case["index"], case["block_size"], known)[:, :, known - new:]
+             for name, pool in (("key", "k_pool"), ("value", "v_pool"))}
     got = pa.paged_prefill_attention(**case, known_length=known, want_lse=want_lse, **extra)
     want = pa.prefill_attention_reference(**case)
     if want_lse:
         _check(got, want)
     else:
         torch.testing.assert_close(got[0].float(), want[0].float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["whole_prompt", "chunk_exact"])
+def test_split_variant_matches_reference(name):
+    """``prefill_attention_split`` itself (cuDNN with its log-sum-exp), whatever ``SPLIT`` says."""
+    case = prefill_case(**{**SHAPE, **CASES[name]}, seed=6)
+    known = int(case["lengths"].max())
+    new = case["query"].shape[2]
+    key, value = (pa.gather_view(case[pool], case["index"], case["block_size"], known)[:, :, known - new:]
+                  for pool in ("k_pool", "v_pool"))
+    assert pa.split_applicable(case["query"])  # the H200
+    got = pa.prefill_attention_split(case["query"], case["k_pool"], case["v_pool"], case["index"],
+                                     case["block_size"], case["scale"], known, key, value)
+    _check(got, pa.prefill_attention_reference(**case))
