@@ -55,7 +55,10 @@ def generate_point(model, method: str, context: int, batch: int, new_tokens: int
     sparsecompile.optimize(model, method, **METHOD_OPTIONS[method])
     ids = torch.randint(3, 1000, (batch, context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     try:
+        before = compile_phases()
         first = _timed_generate(model, ids, new_tokens)
+        after = compile_phases()
+        first_phases = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) >= 0.05}
         ones, fulls = [], []
         for _ in range(repeats):
             ones.append(_timed_generate(model, ids, 1))
@@ -70,7 +73,7 @@ def generate_point(model, method: str, context: int, batch: int, new_tokens: int
     return {"method": method, "context": context, "batch": batch, "new_tokens": new_tokens,
             "generate_tok_s": batch * (new_tokens - 1) / (full - one), "t_one_s": one, "t_full_s": full,
             "t_one_runs_s": [round(t, 4) for t in ones], "t_full_runs_s": [round(t, 4) for t in fulls],
-            "first_call_extra_s": first - full, "cudagraph_skips": skips}
+            "first_call_extra_s": first - full, "first_call_compile_phases_s": first_phases, "cudagraph_skips": skips}
 
 
 def compile_phases() -> dict[str, float]:

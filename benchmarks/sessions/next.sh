@@ -27,6 +27,7 @@
 #   bash benchmarks/sessions/next.sh mass         # the attention-mass rows of kernels.py (decode, SnapKV, KVzip)  ~2 min
 #   bash benchmarks/sessions/next.sh verify_b     # the second half of verify (prefill attention incl. flex, selection)
 #   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
+#   bash benchmarks/sessions/next.sh b4_profile   # #13 vanilla vs HF at 32K x 4, profiled                          ~3 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -37,7 +38,7 @@
 # `split` (#13: cuDNN in two calls for h2o's chunks and lse-needing dense steps; if faster, make SPLIT the default),
 # GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (larger super tiles: 4 -> 8 -> 16 kept helping),
 # `mass` (kernels.py --only mass: the reworked mass kernel's decode-size and SnapKV timings, not measured since the
-# rework; ~2 min), `programs` with METHOD=snapkv (#14 warm process; ~8 min), `kivi_capacity` (#20: snapkv+kivi's
+# rework; ~2 min), `b4_profile` (#13: vanilla 1.028x HF at 32K x 4, unexplained), `programs` with METHOD=snapkv (#14 warm process; ~8 min), `kivi_capacity` (#20: snapkv+kivi's
 # decode at its largest batch; ~5 min), `profile` with the methods not yet in user_path (#14).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
@@ -136,6 +137,11 @@ split)  # #13 h2o prefill: cuDNN split for host-vouched dense steps (kernels/pre
   timeout -s INT 100 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 131072 \
     --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_split > "$OUT/prefill_split128.log" 2>&1
   echo "128K rc=$?"; grep '"system"' "$OUT/prefill_split128.log" | cut -c1-220 ;;
+b4_profile)  # #13 vanilla at 32K x 4 (1.028x HF, 2026-12-01): HF and vanilla, 3 runs each, then one profiled call of
+  # each (profile_prefill_*_b4*.txt: where the 150 ms go) (~3 min)
+  timeout -s INT 250 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768 \
+    --batches 4 --chunk-sizes default --repeats 3 --profile --out "$OUT" --tag _h200_b4 > "$OUT/prefill_b4.log" 2>&1
+  echo "rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-220; grep -h -A5 "^category" "$OUT"/profile_prefill_*b4*.txt ;;
 mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, SnapKV window, KVzip) with the current
   # kernel (~2 min)
   timeout -s INT 200 python3 benchmarks/kernels.py --only mass --out "$OUT" > "$OUT/kernels_mass.log" 2>&1
@@ -170,8 +176,9 @@ verify_b)  # the rest of verify (~4 min with the flex compiles)
     tests/gpu/test_sampling_cuda.py tests/gpu/test_selection_cuda.py tests/test_eviction_kernels.py \
     > "$OUT/gpu_tests_verify_b.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify_b.log" | tail -12 ;;
-profile)
-  timeout -s INT 540 python3 benchmarks/user_path.py --methods snapkv,vanilla --points 32768x1 --new-tokens 129 \
+profile)  # #14 user path: generate vs engine, first call (with its compile phases), warm process; METHODS (default
+  # h2o,quest: h2o's first call took 101 s, quest's 51 s, target 30 s) (~9 min)
+  timeout -s INT 540 python3 benchmarks/user_path.py --methods ${METHODS:-h2o,quest} --points 32768x1 --new-tokens 129 \
     --repeats 3 --steps 64 --warm-process --out "$OUT" > "$OUT/user_path.log" 2>&1; echo "rc=$?"
   grep "compile phases" "$OUT/user_path.log" | cut -c1-600; tail -6 "$OUT/user_path.log" | cut -c1-250 ;;
 kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config sweep, one ncu launch (~4 min;
@@ -261,5 +268,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|verify|verify_b"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|b4_profile|verify|verify_b"; exit 2 ;;
 esac
