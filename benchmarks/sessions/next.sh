@@ -28,6 +28,7 @@
 #   bash benchmarks/sessions/next.sh verify_b     # the second half of verify (prefill attention incl. flex, selection)
 #   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
 #   bash benchmarks/sessions/next.sh b4_profile   # #13 vanilla vs HF at 32K x 4, profiled                          ~3 min
+#   bash benchmarks/sessions/next.sh gaps_h2o     # #13 h2o's GPU idle at 32K, default chunks                       ~1.5 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -36,6 +37,7 @@
 # (63 passed), sync_points.py (h2o, vanilla), prefill h2o / vanilla / HF x5 after the host-copy commit.
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # `split` (#13: cuDNN in two calls for h2o's chunks and lse-needing dense steps; if faster, make SPLIT the default),
+# `gaps_h2o` (#13: h2o's GPU idle time at its default chunks),
 # GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (larger super tiles: 4 -> 8 -> 16 kept helping),
 # `mass` (kernels.py --only mass: the reworked mass kernel's decode-size and SnapKV timings, not measured since the
 # rework; ~2 min), `b4_profile` (#13: vanilla 1.028x HF at 32K x 4, unexplained), `programs` with METHOD=snapkv (#14 warm process; ~8 min), `kivi_capacity` (#20: snapkv+kivi's
@@ -142,6 +144,10 @@ b4_profile)  # #13 vanilla at 32K x 4 (1.028x HF, 2026-12-01): HF and vanilla, 3
   timeout -s INT 250 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768 \
     --batches 4 --chunk-sizes default --repeats 3 --profile --out "$OUT" --tag _h200_b4 > "$OUT/prefill_b4.log" 2>&1
   echo "rc=$?"; grep '"system"' "$OUT/prefill_b4.log" | cut -c1-220; grep -h -A5 "^category" "$OUT"/profile_prefill_*b4*.txt ;;
+gaps_h2o)  # #13: where h2o's 32K prefill idles the GPU at its default 8192-token chunks (its kernels sum to 1,410 ms
+  # against vanilla's 1,361, its wall time is 169 ms longer) (~1.5 min)
+  timeout -s INT 150 python3 benchmarks/gpu_gaps.py --method h2o --context 32768 --out "$OUT" > "$OUT/gaps_h2o.log" 2>&1
+  echo "rc=$?"; head -c 3000 "$OUT/gpu_gaps_h2o_32768.txt" ;;
 mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, SnapKV window, KVzip) with the current
   # kernel (~2 min)
   timeout -s INT 200 python3 benchmarks/kernels.py --only mass --out "$OUT" > "$OUT/kernels_mass.log" 2>&1
@@ -268,5 +274,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|b4_profile|verify|verify_b"; exit 2 ;;
+*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|b4_profile|gaps_h2o|verify|verify_b"; exit 2 ;;
 esac
