@@ -127,10 +127,15 @@ class SlotAccess:
 
         Skipped entries go to the trash page (no boolean indexing, so shapes stay static under compile).
         """
+        pool.index_put_(self._pool_index(slots), values.to(pool.dtype))
+
+    def _pool_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Global ``slots [batch, kv_heads, n]`` -> the (page, head, offset) index of every pool (slots < 0: the trash
+        page), computed once for all the pools a move touches."""
         P = self.layout.page_size
         safe = torch.where(slots >= 0, slots, torch.full_like(slots, self.trash_page * P))
         head = torch.arange(slots.shape[1], device=slots.device)[None, :, None].expand_as(safe)
-        pool.index_put_((safe // P, head, safe % P), values.to(pool.dtype))
+        return safe // P, head, safe % P
 
     def build_view(self, layer: int, step: StepState, selection: Selection = None) -> AttentionView:
         """The AttentionView of ``layer`` for this step: every resident slot, or the selected subset."""
@@ -178,15 +183,16 @@ class SlotAccess:
         """
         H = self.layout.num_kv_heads
         batch, _, n = src.shape
-        g_src = self.global_slots(layer, rows, src.reshape(batch, -1)).reshape(batch, H, n).clamp(min=0)
-        g_dst = self.global_slots(layer, rows, dst.reshape(batch, -1)).reshape(batch, H, n)
+        both = self.global_slots(layer, rows, torch.stack([src, dst], 1)).reshape(batch, 2, H, n)  # one lookup
+        g_src, g_dst = both[:, 0].clamp(min=0), both[:, 1]
         pools = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values())
         if self.storage is not None:
             self.storage.move(layer, rows, src, dst)
             pools = pools[2:]
-        moved = [gather_slots(pool, g_src) for pool in pools]  # read everything before writing
+        src_index, dst_index = self._pool_index(g_src), self._pool_index(g_dst)
+        moved = [pool[src_index] for pool in pools]  # read everything before writing
         for pool, values in zip(pools, moved):
-            self.scatter_slots(pool, g_dst, values)
+            pool.index_put_(dst_index, values)
 
     def fill_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """:meth:`move_slots` when, per ``(row, head)``, no destination is also a source (decode eviction filling
