@@ -102,7 +102,7 @@ def op_rows(copies: int = 3) -> list[dict]:
     del sets
     for shape, k in (((batch, KV_HEADS, pages), 2048 // PAGE), ((batch, 1, context + 164), 2048)):
         sets = [(torch.randn(*shape, device="cuda"), torch.full(shape[:2], k, device="cuda")) for _ in range(copies)]
-        for bits in (1, 2, 8) if shape[2] <= 16384 else (1,):  # longer rows take the torch path either way
+        for bits in (1, 8) if shape[2] <= 16384 else (1,):  # longer rows take the torch path either way
             rows.append(_op_row("topk_select" + ("" if bits == 1 else f" r{bits}"), sets,
                                 lambda s, c, k=k, bits=bits: topk_select_triton(s, c, k, radix_bits=bits),
                                 shape[0] * shape[1] * shape[2] * 4 / 1e6, shape=list(shape), k=k))

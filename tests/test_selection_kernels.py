@@ -160,7 +160,7 @@ def test_triton_omnikv_scores_match_reference():
 
 
 @triton_only
-@pytest.mark.parametrize("radix_bits", [1, 2, 8])
+@pytest.mark.parametrize("radix_bits", [1, 8])
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
 def test_triton_topk_select_matches_reference(n, k, radix_bits):
     from sparsecompile.kernels.topk_select import topk_select_triton
@@ -186,7 +186,7 @@ def test_triton_topk_select_ties_match_reference(levels):
     counts = torch.randint(0, k + 8, (4, 5), generator=g)
     counts[0, :3] = torch.tensor([0, 1, n])
     want = topk_select_reference(scores, counts, k)
-    for radix_bits in (1, 2, 8):
+    for radix_bits in (1, 8):
         got = topk_select_triton(scores.to(DEVICE), counts.to(DEVICE), k, radix_bits=radix_bits)
         assert torch.equal(got.cpu(), want), radix_bits
 

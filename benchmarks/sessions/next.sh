@@ -23,7 +23,7 @@
 #   bash benchmarks/sessions/next.sh mass_sweep   # #13 mass pass configs incl. super tiles (h2o prefill) ~5 min
 #   bash benchmarks/sessions/next.sh kivi_kernel  # #20 KIVI kernel: GPU tests, config sweep, ncu (ran 2026-12-02) ~4 min
 #   bash benchmarks/sessions/next.sh mass_ab      # #13 transposed mass kernel vs the earlier one; h2o prefill (ran) ~3 min
-#   bash benchmarks/sessions/next.sh mass_ab2     # #13 its super-tile / stage sweep, h2o profile, topk r1 / r2 (ran) ~3 min
+#   bash benchmarks/sessions/next.sh mass_ab2     # #13 its super-tile / stage sweep, h2o profile, topk r1 / r2 / r8 (ran; r2 since removed) ~3 min
 #   bash benchmarks/sessions/next.sh mass         # the attention-mass rows of kernels.py (decode, SnapKV, KVzip)  ~2 min
 #   bash benchmarks/sessions/next.sh verify_b     # the second half of verify (prefill attention incl. flex, selection)
 #   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
@@ -154,7 +154,7 @@ mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, Sna
   echo "rc=$?"; grep -E "us" "$OUT/kernels_mass.log" | cut -c1-220 | tail -12 ;;
 mass_ab2)  # #13 h2o prefill after mass_ab (2026-12-02: super tiles of 4, 4 warps: 1.70 ms at the 8192 chunk, 2x the
   # previous kernel): supers 4-16 x stages 2-3 x tiles, the fastest made the device default; HF / vanilla / h2o at
-  # 32K (3 runs each), one profiled h2o run; topk_select r1 / r2 (#14 quest) (~6 min)
+  # 32K (3 runs each), one profiled h2o run; topk_select rows (#14 quest) (~6 min)
   timeout 240 python3 benchmarks/sessions/mass_ab.py $([ -f benchmarks/sessions/attention_mass_before.py ] && echo --before benchmarks/sessions/attention_mass_before.py) --apply-best \
     --grid "${GRID:-4,8,16;2,3;64x128x4,64x64x4,32x128x4,64x128x8}" > "$OUT/mass_ab2_h200.jsonl" 2> "$OUT/mass_ab2.err"
   echo "ab rc=$?"; grep -v Warn "$OUT/mass_ab2.err" | tail -14

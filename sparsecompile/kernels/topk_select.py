@@ -11,10 +11,10 @@ On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton radix select: o
 row once as 32-bit order keys, radix passes find the ``count``-th largest, and one ordered pass
 writes the winners with a running prefix sum (no sort; ascending by construction). The passes are 32
 one-bit block reductions (``radix_bits=1``, the default, measured: 31 us a layer for Quest at 128K x 4,
-``results/profile_quest_128k_b4.txt``), 16 two-bit ones whose four digit counts share one int64 reduction
-(``radix_bits=2``: half the dependent reductions, yet 44.2 us against one-bit's 32.5 us on the H200,
-``results/kernels_ops_h200_d.jsonl``) or four 8-bit histograms (``radix_bits=8``: 67 us, ``tl.histogram`` is
-slow; ``results/kernels_ops_h200_c.jsonl``). Longer rows
+``results/profile_quest_128k_b4.txt``) or four 8-bit histograms (``radix_bits=8``: 67 us, ``tl.histogram`` is
+slow; ``results/kernels_ops_h200_c.jsonl``). A two-bit variant (16 passes whose four digit counts shared one int64
+reduction) took 44.2 us against one-bit's 32.5 us on the H200 (``results/kernels_ops_h200_d.jsonl``) and was
+removed. Longer rows
 (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over many
 blocks, and the same tie rule and prefix-sum placement in torch ops.
 """
@@ -102,29 +102,6 @@ if triton is not None:
         return thr
 
     @triton.jit
-    def _threshold_2bit(key, valid, count):
-        """As :func:`_threshold_1bit`, two bits at a time in 16 passes of one reduction each: the counts of the
-        next digit's four values among the keys that share the digits chosen so far, packed as 16-bit fields of
-        one int64 sum (rows of up to 65,535 keys); the digit is the largest d whose keys at or above it, with the
-        keys already known to be greater, still reach ``count``."""
-        thr = tl.zeros([], dtype=tl.uint32)
-        greater = tl.zeros([], dtype=tl.int64)  # keys above every candidate of the remaining digits
-        live = valid
-        for i in tl.static_range(16):
-            shift = 30 - 2 * i
-            digit = ((key >> shift) & 3).to(tl.int64)
-            packed = tl.sum(tl.where(live, tl.full(digit.shape, 1, tl.int64) << (16 * digit), 0), 0)
-            c3 = (packed >> 48) & 0xFFFF
-            ge3 = greater + c3
-            ge2 = ge3 + ((packed >> 32) & 0xFFFF)
-            ge1 = ge2 + ((packed >> 16) & 0xFFFF)
-            d = tl.where(ge3 >= count, 3, tl.where(ge2 >= count, 2, tl.where(ge1 >= count, 1, 0)))
-            greater = tl.where(d == 3, greater, tl.where(d == 2, ge3, tl.where(d == 1, ge2, ge1)))
-            thr = thr | (d.to(tl.uint32) << shift)
-            live = live & (digit == d)
-        return thr
-
-    @triton.jit
     def _threshold_8bit(key, valid, count):
         """As :func:`_threshold_1bit`, one byte at a time: among the keys that share the digits chosen so far, a
         256-bin histogram of the next byte; the digit is the largest d whose keys at or above it, with the keys
@@ -161,8 +138,6 @@ if triton is not None:
         key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
         if RADIX_BITS == 8:
             thr = _threshold_8bit(key, valid, count)
-        elif RADIX_BITS == 2:
-            thr = _threshold_2bit(key, valid, count)
         else:
             thr = _threshold_1bit(key, valid, count)
         ties = count - tl.sum((valid & (key > thr)).to(tl.int32), 0)  # keys equal to it to take, lowest index first
@@ -180,12 +155,12 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
                        radix_bits: int = 1, num_warps: int | None = None) -> torch.Tensor:
     """CUDA implementation with the semantics of :func:`topk_select_reference`.
 
-    Rows of up to ``max_tile`` scores: the Triton radix select, one program per row, ``radix_bits`` 1, 2 or 8 a
+    Rows of up to ``max_tile`` scores: the Triton radix select, one program per row, ``radix_bits`` 1 or 8 a
     pass. Longer rows (OmniKV's prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads a row
     over many blocks. ``num_warps``: the program's warps (None: 4, 8 or 16 by tile size; benchmarks sweep it).
     """
-    if radix_bits not in (1, 2, 8):
-        raise ValueError(f"radix_bits is 1, 2 or 8, got {radix_bits}")
+    if radix_bits not in (1, 8):
+        raise ValueError(f"radix_bits is 1 or 8, got {radix_bits}")
     batch, heads, n = scores.shape
     if n > max_tile:
         return _topk_select_long(scores, counts, k)
