@@ -324,7 +324,7 @@ if triton is not None:
 
 # Launch configurations (benchmarks/kernels.py --only mass --sweep times the alternatives on the H200);
 # the mass pass also takes "skip": False to test every query tile instead of skipping invisible ones, and
-# "super": S to decide skipping and masking once per S query tiles. The prefill default is the fastest of 25 at
+# "super": S to decide skipping and masking once per S query tiles. The prefill default is the fastest of 24 at
 # H2O's 8192-token chunk (benchmarks/sessions/mass_ab.py, results/mass_ab2_h200.jsonl: 1.59 ms, 260 TFLOP/s of
 # QK^T, against 3.41 ms for the kernel before the transposed tiles); super tiles of 16 let the inner loop run
 # long enough for its query loads to be pipelined (same tiles and warps: 2.93 ms with super 1, 1.70 with 4).
