@@ -12,10 +12,15 @@ from sparsecompile.config import EngineConfig, MethodConfigError
 
 
 def _calls(model):
-    """Token counts of each down_proj call, per layer (hooks)."""
+    """Token counts (batch x sequence) of each MLP call, per layer (hooks on the gate projection's input)."""
     seen = []
+
+    def hook(mod, args, out):
+        assert args[0].is_contiguous()  # chunks are row ranges of the flattened batch: views, never copies
+        seen.append(args[0].shape[:-1].numel())
+
     for layer in model.model.layers:
-        layer.mlp.down_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[-2]))
+        layer.mlp.gate_proj.register_forward_hook(hook)
     return seen
 
 
@@ -32,10 +37,10 @@ def test_chunked_mlp_prefill_equals_the_unpatched_model_and_restore_unwraps():
     torch.testing.assert_close(out.logits[:, -1], want_logits, atol=1e-5, rtol=1e-5)
     out.past_key_values.release()
     layers = len(model.model.layers)
-    assert seen == [16, 16, 8] * layers  # 40 prompt tokens, 16 at a time
+    assert seen == [16] * 5 * layers  # 2 x 40 prompt tokens, 16 rows of the flattened batch at a time
     seen.clear()
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want)
-    assert seen[:3 * layers] == [16, 16, 8] * layers and set(seen[3 * layers:]) == {1}  # decode: one call a token
+    assert seen[:5 * layers] == [16] * 5 * layers and set(seen[5 * layers:]) == {2}  # decode: one call a step
     sparsecompile.restore(model)
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
 

@@ -139,6 +139,18 @@ split)  # #13 h2o prefill: cuDNN split for host-vouched dense steps (kernels/pre
   timeout -s INT 100 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 131072 \
     --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_split > "$OUT/prefill_split128.log" 2>&1
   echo "128K rc=$?"; grep '"system"' "$OUT/prefill_split128.log" | cut -c1-220 ;;
+split_matrix)  # #13 with SPLIT the default: HF forward / generate and the 7 methods at 32K and 128K, batch 1 (~5 min)
+  timeout -s INT 560 python3 benchmarks/prefill.py --systems hf_sdpa,hf_generate,sparsecompile --contexts 32768,131072 \
+    --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_splitdef > "$OUT/prefill_splitdef.log" 2>&1
+  echo "rc=$?"; grep '"system"' "$OUT/prefill_splitdef.log" | cut -c1-200 ;;
+split_tests)  # #13 with SPLIT the default: the engine's GPU tests (token equality with HF, eviction), the prefill
+  # attention tests but flex; then vanilla / HF at 32K x 4, 3 runs each (~8 min)
+  timeout -s INT 330 $P tests/gpu/test_cuda_engine.py tests/gpu/test_eviction_cuda.py \
+    tests/gpu/test_prefill_attention_cuda.py -k "not flex" > "$OUT/gpu_tests_splitdef.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_splitdef.log" | tail -8
+  timeout -s INT 200 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768 \
+    --batches 4 --chunk-sizes default --repeats 3 --out "$OUT" --tag _h200_splitdef_b4 > "$OUT/prefill_splitdef_b4.log" 2>&1
+  echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_splitdef_b4.log" | cut -c1-220 ;;
 b4_profile)  # #13 vanilla at 32K x 4 (1.028x HF, 2026-12-01): HF and vanilla, 3 runs each, then one profiled call of
   # each (profile_prefill_*_b4*.txt: where the 150 ms go) (~3 min)
   timeout -s INT 250 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla --contexts 32768 \

@@ -56,9 +56,11 @@ except ImportError:  # pragma: no cover
 #: CUDA implementation of the op: "triton", "sdpa" or "flex" (see the module docstring).
 CUDA_IMPL = "triton"
 #: True: host-vouched dense steps that need the log-sum-exp or follow a prefix take :func:`prefill_attention_split`
-#: (cuDNN, two calls) where :func:`split_applicable`; False: gather + flash. Off until the H200 has timed it
-#: (``benchmarks/prefill_attention.py`` rows "split"; expected from cuDNN's 576 against flash's 307 TFLOP/s).
-SPLIT = False
+#: (cuDNN, two calls) where :func:`split_applicable`; False: gather + flash. On by measurement (H200, 2026-12-02,
+#: ``benchmarks/results/prefill_attention_split_h200.jsonl``): chunk 2048 at 32K 2.15 ms against 3.85 for gather +
+#: flash (496 against 276 TFLOP/s), at 128K 8.67 against 14.2 ms, H2O's 8192 chunk after 2048 kept 1.96 against
+#: 2.98 ms; end to end, h2o's 32K prefill 1.48 s against 1.61 (``prefill_h200_split.jsonl``).
+SPLIT = True
 
 
 # ----------------------------------------------------------------------------------------- gather-based variants
