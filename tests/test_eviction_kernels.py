@@ -12,6 +12,7 @@ import torch
 from sparsecompile.kernels import (
     h2o_accumulate,
     h2o_accumulate_reference,
+    lowest_slot,
     move_slots,
     move_slots_reference,
     snapkv_scores,
@@ -166,14 +167,74 @@ def test_opcheck_move_slots():
 
 
 @triton_only
-def test_triton_move_slots_matches_reference():
+@pytest.mark.parametrize("narrow", [1, 2, 3, 4])  # one-value pools after K and V: 1-3 in one launch, 4 per pool
+def test_triton_move_slots_matches_reference(narrow):
     from sparsecompile.kernels.slot_move import move_slots_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pools, table, src, dst = (x if not isinstance(x, list) else [t.to(device) for t in x] for x in _move_case(2))
-    table, src, dst = table.to(device), src.to(device), dst.to(device)
+    pools, table, src, dst = _move_case(2)
+    pools = (pools + [torch.rand_like(pools[3]), -pools[2]])[:2 + narrow]
+    pools, table, src, dst = [t.to(device) for t in pools], table.to(device), src.to(device), dst.to(device)
     want = [p.clone() for p in pools]
     move_slots_reference(want, table, src, dst)
     move_slots_triton(pools, table, src, dst)
     for got, expected in zip(pools, want):
         assert torch.equal(got, expected)
+
+
+def _lowest_case(seed=0, batch=3, width=13):
+    """Score and position pools, three rows' table rows (disjoint pages), counts (one row empty, one over
+    ``width``), protected windows, tied scores and empty slots (position -1) among the resident ones."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 4, (NUM_PAGES + 1, HEADS, PAGE), generator=g).float()  # small ints: ties
+    pos = torch.randperm((NUM_PAGES + 1) * HEADS * PAGE, generator=g).reshape(NUM_PAGES + 1, HEADS, PAGE)
+    pos = torch.where(torch.rand(pos.shape, generator=g) < 0.15, -1, pos).to(torch.int32)
+    table = torch.randint(0, NUM_PAGES, (batch, 4), generator=g, dtype=torch.int32)  # read only: pages may repeat
+    counts = torch.tensor([9, 0, 16])[:batch]
+    recent = torch.tensor([3, 2, 0])[:batch]
+    return values, pos, table, counts, recent, width
+
+
+def _lowest_by_search(values, pos, table, counts, recent, width):
+    """Slot by slot: the newest position of the row's head, then the first lowest value outside its window."""
+    out = torch.zeros(table.shape[0], HEADS, 1, dtype=torch.int64)
+    for b in range(table.shape[0]):
+        n = min(int(counts[b]), width)
+        for h in range(HEADS):
+            slots = [(int(table[b, s // PAGE]), s % PAGE) for s in range(n)]
+            positions = [int(pos[p, h, o]) for p, o in slots]
+            newest = max(positions, default=-1)
+            best, best_slot = math.inf, 0
+            for s, (p, o) in enumerate(slots):
+                if positions[s] >= 0 and positions[s] > newest - int(recent[b]):
+                    continue  # protected
+                if float(values[p, h, o]) < best:
+                    best, best_slot = float(values[p, h, o]), s
+            out[b, h, 0] = best_slot
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lowest_slot_is_the_first_lowest_value_outside_the_recent_window(seed):
+    case = _lowest_case(seed)
+    want = _lowest_by_search(*case)
+    assert torch.equal(lowest_slot(*case), want)
+    assert want[1].eq(0).all()  # a row without slots: slot 0, as argmin over +inf
+
+
+def test_opcheck_lowest_slot():
+    torch.library.opcheck(torch.ops.sparsecompile.lowest_slot.default, _lowest_case(3))
+
+
+@triton_only
+@pytest.mark.parametrize("width,block", [(13, None), (40, 16)])  # one tile; three tiles, ties across them
+def test_triton_lowest_slot_matches_reference(width, block):
+    from sparsecompile.kernels.lowest_slot import lowest_slot_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values, pos, _, _, recent, _ = _lowest_case(4)
+    table = torch.randint(0, NUM_PAGES, (3, 10), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    case = [values, pos, table, torch.tensor([9, 0, 37]), recent]
+    got = lowest_slot_triton(*(t.to(device) for t in case), width, block=block)
+    want = _lowest_by_search(*case, width)
+    assert torch.equal(got.cpu(), want)

@@ -35,13 +35,14 @@
 # 2026-12-02 fourth session: mass_ab, mass_ab2 (the transposed mass kernel: 1.59 ms at H2O's 8192 chunk, 2.1x;
 # h2o prefill 1.12x vanilla at 32K), verify (83 passed, then the 600 s limit at the flex tests) + the rest by hand
 # (63 passed), sync_points.py (h2o, vanilla), prefill h2o / vanilla / HF x5 after the host-copy commit.
+# 2026-12-02 fifth session: split (cuDNN split: faster everywhere -> SPLIT = True), split_matrix, split_tests (+ the
+# rest by hand: 57 passed), vanilla b4 HF vs ours before / after row-range MLP chunks (1.019x -> 1.005x, profiled),
+# user_path h2o with programs (warm process 0.3 s, first call 94.5 s), h2o vs snapkv (0.873x), kernels.py --only mass.
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `split` (#13: cuDNN in two calls for h2o's chunks and lse-needing dense steps; if faster, make SPLIT the default),
-# `gaps_h2o` (#13: h2o's GPU idle time at its default chunks),
-# GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (larger super tiles: 4 -> 8 -> 16 kept helping),
-# `mass` (kernels.py --only mass: the reworked mass kernel's decode-size and SnapKV timings, not measured since the
-# rework; ~2 min), `b4_profile` (#13: vanilla 1.028x HF at 32K x 4, unexplained), `programs` with METHOD=snapkv (#14 warm process; ~8 min), `kivi_capacity` (#20: snapkv+kivi's
-# decode at its largest batch; ~5 min), `profile` with the methods not yet in user_path (#14).
+# `h2o_victim` (#14: the fused decode eviction, unmeasured), `gaps_h2o` (#13), `programs` METHOD=quest (#14 warm
+# process), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch; ~5 min), `profile` METHODS=quest (#14
+# first call with its compile phases), GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (h2o prefill, now
+# 1.04x `vanilla`: low priority).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
@@ -139,6 +140,14 @@ split)  # #13 h2o prefill: cuDNN split for host-vouched dense steps (kernels/pre
   timeout -s INT 100 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 131072 \
     --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_split > "$OUT/prefill_split128.log" 2>&1
   echo "128K rc=$?"; grep '"system"' "$OUT/prefill_split128.log" | cut -c1-220 ;;
+h2o_victim)  # #14: h2o decode with the lowest_slot op and the one-launch move_slots (2026-12-02, unmeasured): the
+  # eviction GPU tests and kernel tests on CUDA, then h2o vs snapkv through generate() at 32K x 1 (0.873x before,
+  # target 0.9x) with h2o's first call (94.5 s before, target 30 s) (~7 min)
+  timeout -s INT 200 $P tests/gpu/test_eviction_cuda.py tests/test_eviction_kernels.py > "$OUT/gpu_tests_h2o_victim.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_h2o_victim.log" | tail -6
+  timeout -s INT 330 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
+    --no-engine --tag _h200_h2o_victim --out "$OUT" > "$OUT/user_path_h2o_victim.log" 2>&1
+  echo "rc=$?"; grep "compile phases" "$OUT/user_path_h2o_victim.log" | cut -c1-400; tail -4 "$OUT/user_path_h2o_victim.log" | cut -c1-250 ;;
 split_matrix)  # #13 with SPLIT the default: HF forward / generate and the 7 methods at 32K and 128K, batch 1 (~5 min)
   timeout -s INT 560 python3 benchmarks/prefill.py --systems hf_sdpa,hf_generate,sparsecompile --contexts 32768,131072 \
     --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_splitdef > "$OUT/prefill_splitdef.log" 2>&1

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..config import MethodConfig, MethodConfigError, option
-from ..kernels import gather_slots
+from ..kernels import gather_slots, lowest_slot
 from ..runtime.compilation import static_address
 from ..runtime.contract import SparseMethod
 from ..runtime.host import to_device
@@ -138,10 +138,7 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
     new_count = (count - evict)[:, None, None]
     if max_evict == 1:  # one victim a step (``interval`` 1, the default): a few fused ops, not the plan below
         victim = torch.where(valid, scores, INF).argmin(dim=-1, keepdim=True)  # [batch, kv_heads, 1], lowest slot
-        # the tail slot refills the hole; a victim that is the tail itself (new_count) leaves no hole
-        hole = (evict[:, None, None] > 0) & (victim < new_count)
-        manager.fill_slots(layer, rows, torch.where(hole, new_count.expand_as(victim), -1),
-                           torch.where(hole, victim, -1))
+        fill_victim(manager, layer, rows, victim, count, evict)
         return
     m = min(max_evict, scores.shape[-1])
     k = torch.arange(m, device=scores.device)
@@ -163,6 +160,15 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
     manager.fill_slots(layer, rows, torch.where(ok, src, -1), torch.where(ok, dst, -1))  # holes and tail: disjoint
 
 
+def fill_victim(manager: CacheManager, layer: int, rows: torch.Tensor, victim: torch.Tensor, count: torch.Tensor,
+                evict: torch.Tensor) -> None:
+    """Drop one slot per head, ``victim [batch, kv_heads, 1]`` (row-local), where ``evict [batch]`` is 1: the tail
+    slot ``count - 1`` refills the hole; a victim that is the tail itself leaves none (traceable)."""
+    new_count = (count - evict)[:, None, None]
+    hole = (evict[:, None, None] > 0) & (victim < new_count)
+    manager.fill_slots(layer, rows, torch.where(hole, new_count.expand_as(victim), -1), torch.where(hole, victim, -1))
+
+
 # ---------------------------------------------------------------------------------------------- runtime
 class EvictionRuntime(SparseMethod):
     """Budget bookkeeping and physical eviction shared by the eviction methods.
@@ -176,6 +182,10 @@ class EvictionRuntime(SparseMethod):
     step_scoped = ("_counts", "_targets", "_step_counts", "_step_targets", "_step_recent")
     #: evict after every prefill chunk (H2O), not only after the prompt's last one
     chunk_eviction: ClassVar[bool] = False
+    #: the slot metadata whose lowest value outside the protected recent window is the victim when decode evicts
+    #: one token a step: the ``lowest_slot`` op, one node and one launch per layer, instead of :meth:`decode_scores`
+    #: (None: :meth:`decode_scores` and :func:`evict_and_fill`)
+    victim_metadata: ClassVar[str | None] = None
 
     def __init__(self, config: EvictionConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
@@ -340,9 +350,16 @@ class EvictionRuntime(SparseMethod):
         """Traceable: rows at ``budget + interval`` slots drop to ``budget`` (all inside the compiled step)."""
         width = self.decode_width(manager)
         budget = self._limits[step.rows, 0]
+        fused = self.victim_metadata is not None and self.decode_interval == 1
         for layer in range(self.model.num_layers):
             count = manager.lengths[step.rows, manager.layer_key(layer)].long()
             evict = torch.where(count >= budget + self.decode_interval, count - budget, 0)
+            if fused:
+                table = manager.block_table[step.rows, manager.layer_key(layer)]
+                victim = lowest_slot(manager.slot_metadata[self.victim_metadata], manager.pos_pool, table, count,
+                                     self.decode_recent(step.rows), width)
+                fill_victim(manager, layer, step.rows, victim, count, evict)
+                continue
             slots, valid, pos = resident(manager, layer, step.rows, width)
             scores = self.decode_scores(manager, step, layer, slots, pos)
             evict_and_fill(manager, layer, step.rows, scores, valid, count, evict, self.decode_interval)

@@ -1,0 +1,120 @@
+"""``sparsecompile::lowest_slot``: per row and KV head, the resident slot with the lowest per-slot value outside the
+protected newest positions (a decode step's eviction victim).
+
+``values [num_pages, kv_heads, page_size]`` is any per-slot metadata pool (fp32), ``pos_pool`` the same shape
+(int32, -1 where a slot holds no token). A row-local slot ``s`` of a row lives at page ``table[row, s // page_size]``,
+offset ``s % page_size``. Among the row's first ``min(width, counts[row])`` slots, a slot is protected when its
+position is one of the ``recent[row]`` newest of its head: ``pos >= 0 and pos > newest - recent``, ``newest`` the
+largest position among those slots. The op returns the row-local slot of the lowest value among the unprotected
+ones, the lowest slot on ties, and 0 when every slot is protected or the row holds none: exactly
+``argmin(where(valid & ~protected, value, +inf))``, the traced formula it replaces.
+
+Why an op: traced, that formula (slot ids through the block table, the gathers of positions and values, the max of
+the positions, the mask, the argmin) is about 60 graph nodes per layer, which inductor lowers and compiles for every
+decode step that evicts each token, and runs as a few small kernels per layer; as one op it is one node and one
+launch. One Triton program per ``(row, head)`` reads the row's positions twice (the newest, then the minimum) and
+its values once: a few KB per program.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .library import define_op
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux-only dependency
+    triton = None
+
+
+def lowest_slot_reference(values: torch.Tensor, pos_pool: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
+                          recent: torch.Tensor, width: int) -> torch.Tensor:
+    """Torch reference.
+
+    Args:
+        values: ``[num_pages, kv_heads, page_size]`` fp32 per-slot values (lower: evicted first).
+        pos_pool: ``[num_pages, kv_heads, page_size]`` int32 logical positions (-1: no token).
+        table: ``[batch, max_pages]`` the rows' block-table rows for the layer.
+        counts: ``[batch]`` slots in use per row; recent: ``[batch]`` protected newest positions per row.
+        width: slots looked at per row (static; rows hold at most ``width`` while this runs).
+
+    Returns:
+        ``[batch, kv_heads, 1]`` int64 row-local slots.
+    """
+    page_size = pos_pool.shape[2]
+    batch, heads = table.shape[0], pos_pool.shape[1]
+    local = torch.arange(width, device=table.device)
+    valid = local[None, :] < counts[:, None]  # [batch, width]
+    page_col = (local // page_size).clamp(max=table.shape[1] - 1)  # slots past the table are past every count
+    pages = table.long().gather(1, page_col[None, :].expand(batch, -1))
+    head = torch.arange(heads, device=table.device)[None, :, None]
+    index = (pages[:, None, :], head, (local % page_size)[None, None, :])
+    pos = torch.where(valid[:, None, :], pos_pool[index].long(), -1)  # [batch, heads, width]
+    newest = pos.max(dim=-1, keepdim=True).values
+    protected = (pos >= 0) & (pos > newest - recent.long()[:, None, None])
+    candidate = valid[:, None, :] & ~protected
+    return torch.where(candidate, values[index].float(), float("inf")).argmin(dim=-1, keepdim=True)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lowest_slot_kernel(values, pos_pool, table, counts, recent, out, width, stride_table,
+                            KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (row, head): the newest position, then the first minimum of the unprotected values."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        n = tl.minimum(tl.load(counts + row).to(tl.int32), width)
+        offs = tl.arange(0, BLOCK)
+        newest = tl.full([BLOCK], -1, tl.int64)
+        for start in range(0, width, BLOCK):
+            s = start + offs
+            ok = s < n
+            page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
+            at = (page * KV_HEADS + head) * PAGE + s % PAGE
+            newest = tl.maximum(newest, tl.load(pos_pool + at, mask=ok, other=-1).to(tl.int64))
+        floor = tl.max(newest, axis=0) - tl.load(recent + row).to(tl.int64)
+        best = tl.full([], float("inf"), tl.float32)
+        best_slot = tl.full([], 0, tl.int32)
+        for start in range(0, width, BLOCK):
+            s = start + offs
+            ok = s < n
+            page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
+            at = (page * KV_HEADS + head) * PAGE + s % PAGE
+            pos = tl.load(pos_pool + at, mask=ok, other=-1).to(tl.int64)
+            candidate = ok & ~((pos >= 0) & (pos > floor))
+            value = tl.where(candidate, tl.load(values + at, mask=ok, other=0.0).to(tl.float32), float("inf"))
+            low = tl.min(value, axis=0)
+            first = tl.min(tl.where(value == low, s, 2147483647), axis=0)
+            better = low < best  # ties keep the earlier tile's (lower) slot
+            best_slot = tl.where(better, first, best_slot)
+            best = tl.where(better, low, best)
+        tl.store(out + row * KV_HEADS + head, best_slot.to(tl.int64))
+
+
+def lowest_slot_triton(values: torch.Tensor, pos_pool: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
+                       recent: torch.Tensor, width: int, block: int | None = None) -> torch.Tensor:
+    """Triton launch with the semantics of :func:`lowest_slot_reference` (pools contiguous); ``block``: slots per
+    tile (default: the width's power of two, at most 1024)."""
+    batch, heads = table.shape[0], pos_pool.shape[1]
+    out = torch.zeros(batch, heads, 1, dtype=torch.int64, device=table.device)
+    if batch == 0 or width == 0:
+        return out
+    block = block or min(1024, triton.next_power_of_2(width))
+    _lowest_slot_kernel[(batch, heads)](values, pos_pool, table, counts.contiguous(), recent.contiguous(), out, width,
+                                        table.stride(0), heads, pos_pool.shape[2], block, num_warps=4)
+    return out
+
+
+def _fake(values, pos_pool, table, counts, recent, width) -> torch.Tensor:
+    return table.new_empty((table.shape[0], pos_pool.shape[1], 1), dtype=torch.int64)
+
+
+lowest_slot = define_op(
+    "lowest_slot(Tensor values, Tensor pos_pool, Tensor table, Tensor counts, Tensor recent, int width) -> Tensor",
+    cpu=lowest_slot_reference,
+    cuda=lowest_slot_triton if triton is not None else None,
+    fake=_fake,
+)
