@@ -69,7 +69,7 @@ if triton is not None:
         n = tl.minimum(tl.load(counts + row).to(tl.int32), width)
         offs = tl.arange(0, BLOCK)
         newest = tl.full([BLOCK], -1, tl.int64)
-        for start in range(0, width, BLOCK):
+        for start in range(0, n, BLOCK):  # the row's slots only: a budget set by ratio gives a wide width
             s = start + offs
             ok = s < n
             page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
@@ -78,7 +78,7 @@ if triton is not None:
         floor = tl.max(newest, axis=0) - tl.load(recent + row).to(tl.int64)
         best = tl.full([], float("inf"), tl.float32)
         best_slot = tl.full([], 0, tl.int32)
-        for start in range(0, width, BLOCK):
+        for start in range(0, n, BLOCK):  # the row's slots only: a budget set by ratio gives a wide width
             s = start + offs
             ok = s < n
             page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)

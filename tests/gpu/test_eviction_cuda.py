@@ -47,3 +47,29 @@ def test_eviction_cuda_graph_decode_equals_eager(method, options, dtype):
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert all(k == kept[0] for k in kept)
     assert all(torch.equal(o, outputs[0]) for o in outputs)
+
+
+def test_decode_eviction_ops_at_real_sizes_equal_their_references():
+    """``lowest_slot`` and the one-launch ``move_slots`` at the 8B shape's decode eviction (8 KV heads, pages of 32,
+    H2O's budget 2048 + 1 slots, 4 rows) against their torch references: exact (they compare and copy)."""
+    from sparsecompile.kernels.lowest_slot import lowest_slot_reference, lowest_slot_triton
+    from sparsecompile.kernels.slot_move import move_slots_reference, move_slots_triton
+
+    torch.manual_seed(0)
+    heads, page, dim, batch, width = 8, 32, 128, 4, 2080
+    pages = batch * width // page + 1
+    scores = torch.rand(pages, heads, page, device="cuda").mul_(8).floor_()  # ties
+    pos = torch.randperm(pages * heads * page, device="cuda").reshape(pages, heads, page).to(torch.int32)
+    table = torch.randperm(pages - 1, device="cuda")[:batch * (width // page)].reshape(batch, -1).to(torch.int32)
+    counts = torch.tensor([2049, 2049, 1500, 0], device="cuda")
+    recent = torch.tensor([1024, 0, 16, 8], device="cuda")
+    victim = lowest_slot_triton(scores, pos, table, counts, recent, width)
+    assert torch.equal(victim, lowest_slot_reference(scores, pos, table, counts, recent, width))
+    pools = [torch.randn(pages, heads, page, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    pools += [pos, scores]
+    src = (counts - 1).clamp(min=0)[:, None, None].expand(-1, heads, 1).contiguous()
+    dst = torch.where(victim < src, victim, -1)
+    want = [p.clone() for p in pools]
+    move_slots_reference(want, table, src, dst)
+    move_slots_triton(pools, table, src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(pools, want))
