@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bandwidth import measure_read_bandwidth, time_graph  # noqa: E402
 from kivi_kernels import kivi_rows  # noqa: E402
-from mass_kernels import mass_rows  # noqa: E402
+from mass_kernels import mass_decode_rows, mass_rows  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
 from sparsecompile.kernels.kv_write import kv_write_triton  # noqa: E402
@@ -179,7 +179,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--quick", action="store_true", help="two input copies and 10 replays per row")
-    parser.add_argument("--only", choices=("attention", "ops", "mass", "kivi"), help="run one group of rows")
+    parser.add_argument("--only", choices=("attention", "ops", "mass", "mass_decode", "kivi"),
+                        help="run one group of rows")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     copies, iters = (2, 10) if args.quick else (3, 20)
@@ -195,6 +196,8 @@ def main() -> None:
                 new = op_rows(copies)
             elif group == "kivi":
                 new = kivi_rows(copies, iters, args.sweep)
+            elif group == "mass_decode":
+                new = mass_decode_rows(copies, iters, args.sweep)
             else:
                 new = mass_rows(copies, iters, args.sweep)
         except Exception as err:  # keep the other groups' rows if one fails

@@ -143,12 +143,23 @@ def _guarded(name: str, fn, *args) -> list[dict]:
         torch.cuda.empty_cache()
 
 
+def _decode_configs(sweep: bool) -> list:
+    """H2O's decode accumulation: the default, and with ``sweep`` its tile / warp / stage alternatives."""
+    if not sweep:
+        return [None]
+    return [None] + [{**MASS_DECODE_CONFIG, "block_n": bn, "num_warps": w, "num_stages": st}
+                     for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
+
+
+def mass_decode_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dict]:
+    """Only H2O's decode accumulation (``kernels.py --only mass_decode``: #14's bandwidth target, 70 %)."""
+    return _guarded("h2o decode", _h2o_decode, copies, iters, _decode_configs(sweep))
+
+
 def mass_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dict]:
     """Every attention-mass row (with ``sweep``, also the alternative launch configurations)."""
-    decode, prefill, split = [None], [None], [(None, None)]
+    decode, prefill, split = _decode_configs(sweep), [None], [(None, None)]
     if sweep:
-        decode += [{**MASS_DECODE_CONFIG, "block_n": bn, "num_warps": w, "num_stages": st}
-                   for bn in (64, 128, 256) for w in (4, 8) for st in (1, 2, 3)]
         prefill += [{**MASS_PREFILL_CONFIG, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st,
                      "super": sup}
                     for sup in (1, 4) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]

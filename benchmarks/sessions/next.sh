@@ -39,7 +39,7 @@
 # rest by hand: 57 passed), vanilla b4 HF vs ours before / after row-range MLP chunks (1.019x -> 1.005x, profiled),
 # user_path h2o with programs (warm process 0.3 s, first call 94.5 s), h2o vs snapkv (0.873x), kernels.py --only mass.
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `h2o_victim` (#14: the fused decode eviction, unmeasured), `gaps_h2o` (#13), `programs` METHOD=quest (#14 warm
+# `h2o_victim` (#14: the fused decode eviction, unmeasured), `quest_profile` (#14), `mass_decode` (#14), `gaps_h2o` (#13), `programs` METHOD=quest (#14 warm
 # process), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch; ~5 min), `profile` METHODS=quest (#14
 # first call with its compile phases), GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (h2o prefill, now
 # 1.04x `vanilla`: low priority).
@@ -148,6 +148,18 @@ h2o_victim)  # #14: h2o decode with the lowest_slot op and the one-launch move_s
   timeout -s INT 330 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
     --no-engine --tag _h200_h2o_victim --out "$OUT" > "$OUT/user_path_h2o_victim.log" 2>&1
   echo "rc=$?"; grep "compile phases" "$OUT/user_path_h2o_victim.log" | cut -c1-400; tail -4 "$OUT/user_path_h2o_victim.log" | cut -c1-250 ;;
+quest_profile)  # #14: quest / omnikv at 128K x 4 against vanilla (2.42x / 2.17x, targets 3.0x / 2.5x), each point
+  # profiled (profile_{vanilla,quest,omnikv}_131072_b4*.txt: where quest's ~1.5 ms a step over its floor goes;
+  # the last profile, from issue #5's kernels, had paged attention over the 2,048 selected tokens at 44 us a layer,
+  # latency-bound) (~6 min)
+  timeout -s INT 500 python3 benchmarks/decode.py --points 131072x4 --methods vanilla,quest,omnikv --no-hf \
+    --max-batch "" --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_profile > "$OUT/quest_profile.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/quest_profile.log" | cut -c1-220; tail -3 "$OUT/quest_profile.log" | cut -c1-200 ;;
+mass_decode)  # #14: h2o_accumulate at decode size (batch 64, budget 2048: 103 us, 58 % of the bandwidth; target
+  # 70 %), 97 launch configs (~2 min); a faster one becomes MASS_DECODE_CONFIG
+  timeout -s INT 200 python3 benchmarks/kernels.py --only mass_decode --sweep --out "$OUT" > "$OUT/mass_decode_sweep.log" 2>&1
+  echo "rc=$?"; python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/kernels_mass_decode.jsonl')][1:]
+for r in sorted([r for r in rows if 'us' in r], key=lambda r: r['us'])[:6]: print(round(r['us'], 1), r['kernel'], r.get('config'))" ;;
 split_matrix)  # #13 with SPLIT the default: HF forward / generate and the 7 methods at 32K and 128K, batch 1 (~5 min)
   timeout -s INT 560 python3 benchmarks/prefill.py --systems hf_sdpa,hf_generate,sparsecompile --contexts 32768,131072 \
     --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_splitdef > "$OUT/prefill_splitdef.log" 2>&1
