@@ -183,3 +183,30 @@ def gather_view_of(case: dict, pool: str, n: int) -> torch.Tensor:
     from sparsecompile.kernels.prefill_attention import gather_view
 
     return gather_view(case[pool], case["index"], case["block_size"], n)
+
+
+def test_a_failing_split_path_falls_back_to_gather_and_flash_once(monkeypatch, caplog):
+    """The CUDA dispatch (called here on CPU tensors) with cuDNN's split raising, as a build without a plan for the
+    shape would: the step still equals the reference through gather + flash, one warning, and the split is not
+    tried again in the process."""
+    from sparsecompile.kernels import prefill_attention as pa
+
+    calls = []
+
+    def refuse(*args):
+        calls.append(1)
+        raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+
+    monkeypatch.setattr(pa, "_SPLIT_BROKEN", [])
+    monkeypatch.setattr(pa, "SPLIT", True)
+    monkeypatch.setattr(pa, "_sdpa_with_lse", refuse)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    case = prefill_case([13, 13], [7, 7], seed=6)
+    case.update({name: case[name].bfloat16() for name in ("query", "k_pool", "v_pool")})  # the split's dtypes
+    key = gather_view_of(case, "k_pool", 20)[:, :, 13:]
+    value = gather_view_of(case, "v_pool", 20)[:, :, 13:]
+    args = [case[name] for name in ("query", "k_pool", "v_pool", "pos_pool", "index", "lengths", "q_positions",
+                                    "num_new", "block_size", "scale", "sliding_window")]
+    for _ in range(2):
+        _assert_matches(pa._cuda(*args, 20, True, key, value), prefill_attention_reference(**case), 2e-2, 2e-2)
+    assert len(calls) == 1 and "gather + flash" in caplog.text

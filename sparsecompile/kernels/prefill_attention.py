@@ -35,6 +35,8 @@ CUDA implementations, chosen by :data:`CUDA_IMPL` (the benchmark ``benchmarks/pr
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .library import define_op
@@ -138,12 +140,26 @@ def prefill_attention_split(query: torch.Tensor, k_pool: torch.Tensor, v_pool: t
     return out.transpose(1, 2).contiguous(), lse
 
 
+_SPLIT_BROKEN: list[str] = []  # the first error of the split path in this process (it is then not tried again)
+
+
+def _split_failed(err: RuntimeError) -> None:
+    """The split path raised (cuDNN refused the shape or is missing a kernel): warn once, use gather + flash from
+    now on. Nothing was written by then, so the fallback recomputes the same step."""
+    if not _SPLIT_BROKEN:
+        logging.getLogger("sparsecompile").warning(
+            "cuDNN prefill attention failed (%s); using gather + flash attention for the rest of this process",
+            str(err).splitlines()[0][:200])
+    _SPLIT_BROKEN.append(str(err))
+
+
 def split_applicable(query: torch.Tensor) -> bool:
     """May the CUDA dispatch take :func:`prefill_attention_split`? cuDNN's fused attention, enabled in torch, on a
-    Hopper or later GPU (measured there; elsewhere gather + flash stays), head_dim a multiple of 8 up to 128."""
+    Hopper or later GPU (measured there; elsewhere gather + flash stays), head_dim a multiple of 8 up to 128, and
+    the path has not failed in this process (:func:`_split_failed`)."""
     head_dim = query.shape[-1]
-    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(query.device)[0] >= 9
-            and head_dim % 8 == 0 and head_dim <= 128)
+    return (not _SPLIT_BROKEN and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(query.device)[0] >= 9 and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def prefill_attention_dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -290,7 +306,11 @@ def _cuda(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new,
                                                                    enable_gqa=True)
             return out.transpose(1, 2).contiguous(), query.new_empty(query.shape[:3], dtype=torch.float32)
         if key is not None and value is not None and SPLIT and split_applicable(query):
-            return prefill_attention_split(query, k_pool, v_pool, index, block_size, scale, known_length, key, value)
+            try:
+                return prefill_attention_split(query, k_pool, v_pool, index, block_size, scale, known_length, key,
+                                               value)
+            except RuntimeError as err:  # e.g. a cuDNN build with no plan for this shape: exact gather + flash
+                _split_failed(err)
         return prefill_attention_sdpa(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, num_new,
                                       block_size, scale, sliding_window, known_length=known_length)
     launch = _IMPLEMENTATIONS.get(CUDA_IMPL, prefill_attention_triton)
