@@ -167,7 +167,7 @@ def test_opcheck_move_slots():
 
 
 @triton_only
-@pytest.mark.parametrize("narrow", [1, 2, 3, 4])  # one-value pools after K and V: 1-3 in one launch, 4 per pool
+@pytest.mark.parametrize("narrow", [1, 2, 3, 4])  # one-value pools after K and V: 1-3 in one launch, 4 in two
 def test_triton_move_slots_matches_reference(narrow):
     from sparsecompile.kernels.slot_move import move_slots_triton
 

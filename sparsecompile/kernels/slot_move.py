@@ -59,31 +59,11 @@ def move_slots_reference(pools: list[torch.Tensor], table: torch.Tensor, src: to
 if triton is not None:
 
     @triton.jit
-    def _move_slots_kernel(pool, table, src, dst, n, stride_table, kv_heads: tl.constexpr, page_size: tl.constexpr,
-                           elems: tl.constexpr, BLOCK_E: tl.constexpr):
-        """One program per (row, head): its pairs in order, ``elems`` contiguous values per slot."""
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        e = tl.arange(0, BLOCK_E)
-        emask = e < elems
-        pairs = (row * kv_heads + head) * n
-        for i in range(n):
-            s = tl.load(src + pairs + i)
-            d = tl.load(dst + pairs + i)
-            if (s >= 0) & (d >= 0):
-                src_page = tl.load(table + row * stride_table + s // page_size).to(tl.int64)
-                dst_page = tl.load(table + row * stride_table + d // page_size).to(tl.int64)
-                a = ((src_page * kv_heads + head) * page_size + s % page_size) * elems
-                z = ((dst_page * kv_heads + head) * page_size + d % page_size) * elems
-                tl.store(pool + z + e, tl.load(pool + a + e, mask=emask), mask=emask)
-
-
-    @triton.jit
-    def _move_slots_fused_kernel(k_pool, v_pool, n0, n1, n2, table, src, dst, n, stride_table,
-                                 NARROW: tl.constexpr, kv_heads: tl.constexpr, page_size: tl.constexpr,
-                                 elems: tl.constexpr, BLOCK_E: tl.constexpr):
-        """:func:`_move_slots_kernel` for K, V and ``NARROW`` (1-3) one-value pools (positions, metadata) in one
-        launch: each pair's page lookups done once for all of them."""
+    def _move_slots_kernel(k_pool, v_pool, n0, n1, n2, table, src, dst, n, stride_table, WIDE: tl.constexpr,
+                           NARROW: tl.constexpr, kv_heads: tl.constexpr, page_size: tl.constexpr, elems: tl.constexpr,
+                           BLOCK_E: tl.constexpr):
+        """One program per (row, head): its pairs in order; each pair's page lookups once, then its K and V rows
+        (``WIDE``: ``elems`` contiguous values each) and its value in ``NARROW`` (0-3) one-value pools."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         e = tl.arange(0, BLOCK_E)
@@ -97,9 +77,11 @@ if triton is not None:
                 dst_page = tl.load(table + row * stride_table + d // page_size).to(tl.int64)
                 a = (src_page * kv_heads + head) * page_size + s % page_size
                 z = (dst_page * kv_heads + head) * page_size + d % page_size
-                tl.store(k_pool + z * elems + e, tl.load(k_pool + a * elems + e, mask=emask), mask=emask)
-                tl.store(v_pool + z * elems + e, tl.load(v_pool + a * elems + e, mask=emask), mask=emask)
-                tl.store(n0 + z, tl.load(n0 + a))
+                if WIDE:
+                    tl.store(k_pool + z * elems + e, tl.load(k_pool + a * elems + e, mask=emask), mask=emask)
+                    tl.store(v_pool + z * elems + e, tl.load(v_pool + a * elems + e, mask=emask), mask=emask)
+                if NARROW > 0:
+                    tl.store(n0 + z, tl.load(n0 + a))
                 if NARROW > 1:
                     tl.store(n1 + z, tl.load(n1 + a))
                 if NARROW > 2:
@@ -108,24 +90,20 @@ if triton is not None:
 
 def move_slots_triton(pools: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Triton launches with the semantics of :func:`move_slots_reference` under the disjointness contract (pools
-    contiguous): one launch for ``[k, v, positions, up to two metadata pools]`` (a decode step that evicts every
-    token runs this per layer: one launch, not one per pool), else one per pool."""
+    contiguous): K, V and the first three one-value pools (positions, metadata) in one launch (a decode step that
+    evicts every token runs this per layer: one launch, not one per pool), any further ones three a launch."""
     batch, kv_heads, n = src.shape
     if n == 0 or batch == 0:
         return
     page_size = pools[2].shape[2]
     src, dst = src.contiguous(), dst.contiguous()
-    elems = math.prod(pools[0].shape[3:])
+    elems = math.prod(pools[0].shape[3:])  # head_dim
     narrow = pools[2:]
-    if 1 <= len(narrow) <= 3 and math.prod(pools[1].shape[3:]) == elems and all(p.dim() == 3 for p in narrow):
-        n0, n1, n2 = (narrow + [narrow[0]] * 2)[:3]
-        _move_slots_fused_kernel[(batch, kv_heads)](pools[0], pools[1], n0, n1, n2, table, src, dst, n,
-                                                    table.stride(0), len(narrow), kv_heads, page_size, elems,
-                                                    triton.next_power_of_2(elems))
-        return
-    for pool in pools:
-        elems = math.prod(pool.shape[3:])  # head_dim for K / V, 1 for positions and metadata
-        _move_slots_kernel[(batch, kv_heads)](pool, table, src, dst, n, table.stride(0), kv_heads, page_size, elems,
+    for first in range(0, len(narrow), 3):
+        group = narrow[first:first + 3]
+        n0, n1, n2 = (group + [group[0]] * 2)[:3]
+        _move_slots_kernel[(batch, kv_heads)](pools[0], pools[1], n0, n1, n2, table, src, dst, n, table.stride(0),
+                                              first == 0, len(group), kv_heads, page_size, elems,
                                               triton.next_power_of_2(elems))
 
 
