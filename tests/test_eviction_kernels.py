@@ -182,9 +182,9 @@ def test_triton_move_slots_matches_reference(narrow):
         assert torch.equal(got, expected)
 
 
-def _lowest_case(seed=0, batch=3, width=13):
-    """Score and position pools, three rows' table rows (disjoint pages), counts (one row empty, one over
-    ``width``), protected windows, tied scores and empty slots (position -1) among the resident ones."""
+def _lowest_case(seed=0, batch=3, width=13, first=0):
+    """Score and position pools, three rows' table rows, counts (one row empty, one over ``width``), protected
+    windows, tied scores and empty slots (position -1) among the resident ones."""
     g = torch.Generator().manual_seed(seed)
     values = torch.randint(0, 4, (NUM_PAGES + 1, HEADS, PAGE), generator=g).float()  # small ints: ties
     pos = torch.randperm((NUM_PAGES + 1) * HEADS * PAGE, generator=g).reshape(NUM_PAGES + 1, HEADS, PAGE)
@@ -192,11 +192,12 @@ def _lowest_case(seed=0, batch=3, width=13):
     table = torch.randint(0, NUM_PAGES, (batch, 4), generator=g, dtype=torch.int32)  # read only: pages may repeat
     counts = torch.tensor([9, 0, 16])[:batch]
     recent = torch.tensor([3, 2, 0])[:batch]
-    return values, pos, table, counts, recent, width
+    return values, pos, table, counts, recent, first, width
 
 
-def _lowest_by_search(values, pos, table, counts, recent, width):
-    """Slot by slot: the newest position of the row's head, then the first lowest value outside its window."""
+def _lowest_by_search(values, pos, table, counts, recent, first, width):
+    """Slot by slot: the newest position of the row's head, then the first lowest value outside its window and
+    past the ``first`` leading slots."""
     out = torch.zeros(table.shape[0], HEADS, 1, dtype=torch.int64)
     for b in range(table.shape[0]):
         n = min(int(counts[b]), width)
@@ -206,7 +207,7 @@ def _lowest_by_search(values, pos, table, counts, recent, width):
             newest = max(positions, default=-1)
             best, best_slot = math.inf, 0
             for s, (p, o) in enumerate(slots):
-                if positions[s] >= 0 and positions[s] > newest - int(recent[b]):
+                if s < first or (positions[s] >= 0 and positions[s] > newest - int(recent[b])):
                     continue  # protected
                 if float(values[p, h, o]) < best:
                     best, best_slot = float(values[p, h, o]), s
@@ -214,9 +215,13 @@ def _lowest_by_search(values, pos, table, counts, recent, width):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_lowest_slot_is_the_first_lowest_value_outside_the_recent_window(seed):
-    case = _lowest_case(seed)
+@pytest.mark.parametrize("seed,first,by_position", [(0, 0, False), (1, 0, False), (2, 3, False), (3, 2, True)])
+def test_lowest_slot_is_the_first_lowest_value_outside_the_protected_slots(seed, first, by_position):
+    """H2O's victim (lowest score outside the recent window) and StreamingLLM's (the oldest position past the sinks:
+    the positions are the values)."""
+    case = list(_lowest_case(seed, first=first))
+    if by_position:
+        case[0] = case[1]
     want = _lowest_by_search(*case)
     assert torch.equal(lowest_slot(*case), want)
     assert want[1].eq(0).all()  # a row without slots: slot 0, as argmin over +inf
@@ -232,9 +237,9 @@ def test_triton_lowest_slot_matches_reference(width, block):
     from sparsecompile.kernels.lowest_slot import lowest_slot_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    values, pos, _, _, recent, _ = _lowest_case(4)
+    values, pos, _, _, recent, _, _ = _lowest_case(4)
     table = torch.randint(0, NUM_PAGES, (3, 10), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
-    case = [values, pos, table, torch.tensor([9, 0, 37]), recent]
-    got = lowest_slot_triton(*(t.to(device) for t in case), width, block=block)
-    want = _lowest_by_search(*case, width)
-    assert torch.equal(got.cpu(), want)
+    for case in ([values, pos, table, torch.tensor([9, 0, 37]), recent],  # H2O-like
+                 [pos, pos, table, torch.tensor([9, 0, 37]), torch.zeros(3, dtype=torch.int64)]):  # StreamingLLM
+        got = lowest_slot_triton(*(t.to(device) for t in case), 2, width, block=block)
+        assert torch.equal(got.cpu(), _lowest_by_search(*case, 2, width))

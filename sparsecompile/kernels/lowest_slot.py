@@ -1,13 +1,14 @@
 """``sparsecompile::lowest_slot``: per row and KV head, the resident slot with the lowest per-slot value outside the
-protected newest positions (a decode step's eviction victim).
+protected ones (a decode step's eviction victim).
 
-``values [num_pages, kv_heads, page_size]`` is any per-slot metadata pool (fp32), ``pos_pool`` the same shape
-(int32, -1 where a slot holds no token). A row-local slot ``s`` of a row lives at page ``table[row, s // page_size]``,
-offset ``s % page_size``. Among the row's first ``min(width, counts[row])`` slots, a slot is protected when its
-position is one of the ``recent[row]`` newest of its head: ``pos >= 0 and pos > newest - recent``, ``newest`` the
-largest position among those slots. The op returns the row-local slot of the lowest value among the unprotected
-ones, the lowest slot on ties, and 0 when every slot is protected or the row holds none: exactly
-``argmin(where(valid & ~protected, value, +inf))``, the traced formula it replaces.
+``values [num_pages, kv_heads, page_size]`` is any per-slot pool (fp32 metadata such as H2O's scores, or the int32
+positions themselves: the oldest token goes), ``pos_pool`` the same shape (int32, -1 where a slot holds no token).
+A row-local slot ``s`` of a row lives at page ``table[row, s // page_size]``, offset ``s % page_size``. Among the
+row's first ``min(width, counts[row])`` slots, a slot is protected when it is one of the ``first`` leading slots
+(StreamingLLM's sinks) or its position is one of the ``recent[row]`` newest of its head: ``pos >= 0 and pos >
+newest - recent``, ``newest`` the largest position among those slots. The op returns the row-local slot of the
+lowest value among the unprotected ones, the lowest slot on ties, and 0 when every slot is protected or the row
+holds none: exactly ``argmin(where(valid & ~protected, value, +inf))``, the traced formula it replaces.
 
 Why an op: traced, that formula (slot ids through the block table, the gathers of positions and values, the max of
 the positions, the mask, the argmin) is about 60 graph nodes per layer, which inductor lowers and compiles for every
@@ -30,14 +31,15 @@ except ImportError:  # pragma: no cover - triton is a Linux-only dependency
 
 
 def lowest_slot_reference(values: torch.Tensor, pos_pool: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
-                          recent: torch.Tensor, width: int) -> torch.Tensor:
+                          recent: torch.Tensor, first: int, width: int) -> torch.Tensor:
     """Torch reference.
 
     Args:
-        values: ``[num_pages, kv_heads, page_size]`` fp32 per-slot values (lower: evicted first).
+        values: ``[num_pages, kv_heads, page_size]`` fp32 (or int32) per-slot values (lower: evicted first).
         pos_pool: ``[num_pages, kv_heads, page_size]`` int32 logical positions (-1: no token).
         table: ``[batch, max_pages]`` the rows' block-table rows for the layer.
         counts: ``[batch]`` slots in use per row; recent: ``[batch]`` protected newest positions per row.
+        first: leading row-local slots always protected.
         width: slots looked at per row (static; rows hold at most ``width`` while this runs).
 
     Returns:
@@ -53,7 +55,7 @@ def lowest_slot_reference(values: torch.Tensor, pos_pool: torch.Tensor, table: t
     index = (pages[:, None, :], head, (local % page_size)[None, None, :])
     pos = torch.where(valid[:, None, :], pos_pool[index].long(), -1)  # [batch, heads, width]
     newest = pos.max(dim=-1, keepdim=True).values
-    protected = (pos >= 0) & (pos > newest - recent.long()[:, None, None])
+    protected = ((pos >= 0) & (pos > newest - recent.long()[:, None, None])) | (local < first)
     candidate = valid[:, None, :] & ~protected
     return torch.where(candidate, values[index].float(), float("inf")).argmin(dim=-1, keepdim=True)
 
@@ -61,7 +63,7 @@ def lowest_slot_reference(values: torch.Tensor, pos_pool: torch.Tensor, table: t
 if triton is not None:
 
     @triton.jit
-    def _lowest_slot_kernel(values, pos_pool, table, counts, recent, out, width, stride_table,
+    def _lowest_slot_kernel(values, pos_pool, table, counts, recent, out, first, width, stride_table,
                             KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
         """One program per (row, head): the newest position, then the first minimum of the unprotected values."""
         row = tl.program_id(0)
@@ -84,7 +86,7 @@ if triton is not None:
             page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
             at = (page * KV_HEADS + head) * PAGE + s % PAGE
             pos = tl.load(pos_pool + at, mask=ok, other=-1).to(tl.int64)
-            candidate = ok & ~((pos >= 0) & (pos > floor))
+            candidate = ok & (s >= first) & ~((pos >= 0) & (pos > floor))
             value = tl.where(candidate, tl.load(values + at, mask=ok, other=0.0).to(tl.float32), float("inf"))
             low = tl.min(value, axis=0)
             first = tl.min(tl.where(value == low, s, 2147483647), axis=0)
@@ -95,7 +97,7 @@ if triton is not None:
 
 
 def lowest_slot_triton(values: torch.Tensor, pos_pool: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
-                       recent: torch.Tensor, width: int, block: int | None = None) -> torch.Tensor:
+                       recent: torch.Tensor, first: int, width: int, block: int | None = None) -> torch.Tensor:
     """Triton launch with the semantics of :func:`lowest_slot_reference` (pools contiguous); ``block``: slots per
     tile (default: the width's power of two, at most 1024)."""
     batch, heads = table.shape[0], pos_pool.shape[1]
@@ -103,17 +105,18 @@ def lowest_slot_triton(values: torch.Tensor, pos_pool: torch.Tensor, table: torc
     if batch == 0 or width == 0:
         return out
     block = block or min(1024, triton.next_power_of_2(width))
-    _lowest_slot_kernel[(batch, heads)](values, pos_pool, table, counts.contiguous(), recent.contiguous(), out, width,
-                                        table.stride(0), heads, pos_pool.shape[2], block, num_warps=4)
+    _lowest_slot_kernel[(batch, heads)](values, pos_pool, table, counts.contiguous(), recent.contiguous(), out, first,
+                                        width, table.stride(0), heads, pos_pool.shape[2], block, num_warps=4)
     return out
 
 
-def _fake(values, pos_pool, table, counts, recent, width) -> torch.Tensor:
+def _fake(values, pos_pool, table, counts, recent, first, width) -> torch.Tensor:
     return table.new_empty((table.shape[0], pos_pool.shape[1], 1), dtype=torch.int64)
 
 
 lowest_slot = define_op(
-    "lowest_slot(Tensor values, Tensor pos_pool, Tensor table, Tensor counts, Tensor recent, int width) -> Tensor",
+    "lowest_slot(Tensor values, Tensor pos_pool, Tensor table, Tensor counts, Tensor recent, int first, int width) -> "
+    "Tensor",
     cpu=lowest_slot_reference,
     cuda=lowest_slot_triton if triton is not None else None,
     fake=_fake,

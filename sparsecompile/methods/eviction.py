@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..runtime.step import StepState
 
 INF = float("inf")
+POSITIONS = "positions"  # EvictionRuntime.victim_values: the tokens' positions, lowest (oldest) first
 
 
 @dataclass
@@ -182,10 +183,11 @@ class EvictionRuntime(SparseMethod):
     step_scoped = ("_counts", "_targets", "_step_counts", "_step_targets", "_step_recent")
     #: evict after every prefill chunk (H2O), not only after the prompt's last one
     chunk_eviction: ClassVar[bool] = False
-    #: the slot metadata whose lowest value outside the protected recent window is the victim when decode evicts
-    #: one token a step: the ``lowest_slot`` op, one node and one launch per layer, instead of :meth:`decode_scores`
-    #: (None: :meth:`decode_scores` and :func:`evict_and_fill`)
-    victim_metadata: ClassVar[str | None] = None
+    #: when decode evicts one token a step, the per-slot values whose lowest outside the protected slots is the
+    #: victim: a slot metadata name, or :data:`POSITIONS` (the oldest token goes). Then the ``lowest_slot`` op picks
+    #: it, one node and one launch per layer, instead of :meth:`decode_scores` (None: :meth:`decode_scores` and
+    #: :func:`evict_and_fill`); :meth:`protected_slots` and the recent window say what it never takes.
+    victim_values: ClassVar[str | None] = None
 
     def __init__(self, config: EvictionConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
@@ -350,19 +352,26 @@ class EvictionRuntime(SparseMethod):
         """Traceable: rows at ``budget + interval`` slots drop to ``budget`` (all inside the compiled step)."""
         width = self.decode_width(manager)
         budget = self._limits[step.rows, 0]
-        fused = self.victim_metadata is not None and self.decode_interval == 1
+        fused = self.victim_values is not None and self.decode_interval == 1
+        if fused:
+            values = (manager.pos_pool if self.victim_values == POSITIONS
+                      else manager.slot_metadata[self.victim_values])
+            recent = self.decode_recent(step.rows)
         for layer in range(self.model.num_layers):
             count = manager.lengths[step.rows, manager.layer_key(layer)].long()
             evict = torch.where(count >= budget + self.decode_interval, count - budget, 0)
             if fused:
                 table = manager.block_table[step.rows, manager.layer_key(layer)]
-                victim = lowest_slot(manager.slot_metadata[self.victim_metadata], manager.pos_pool, table, count,
-                                     self.decode_recent(step.rows), width)
+                victim = lowest_slot(values, manager.pos_pool, table, count, recent, self.protected_slots(), width)
                 fill_victim(manager, layer, step.rows, victim, count, evict)
                 continue
             slots, valid, pos = resident(manager, layer, step.rows, width)
             scores = self.decode_scores(manager, step, layer, slots, pos)
             evict_and_fill(manager, layer, step.rows, scores, valid, count, evict, self.decode_interval)
+
+    def protected_slots(self) -> int:
+        """Leading row-local slots decode eviction never takes (StreamingLLM's sinks; they stay first)."""
+        return 0
 
     def decode_width(self, manager: CacheManager) -> int:
         """Static slot width the decode eviction looks at (>= every row's count while decoding)."""

@@ -86,7 +86,7 @@ class H2ORuntime(EvictionRuntime):
     # 38.7 s for the whole prompt, whose mass accumulation is compute-bound over all query-key pairs)
     default_prefill_chunk = 8192
     prefill_mode = PrefillMode.ALIGNED  # what is kept depends on where chunks end: the same chunks as generate()
-    victim_metadata = SCORE  # decode (interval 1): the lowest score outside the recent window, one op per layer
+    victim_values = SCORE  # decode (interval 1): the lowest score outside the recent window, one op per layer
 
     @property
     def decode_interval(self) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MethodConfigError, option
-from .eviction import INF, EvictionConfig, EvictionRuntime, resident
+from .eviction import INF, POSITIONS, EvictionConfig, EvictionRuntime, resident
 from .registry import register_method
 
 if TYPE_CHECKING:
@@ -55,9 +55,14 @@ class StreamingLLMRuntime(EvictionRuntime):
     config_class = StreamingLLMConfig
     config: StreamingLLMConfig
 
+    victim_values = POSITIONS  # decode: the oldest token past the sinks, one op per layer
+
     @property
     def decode_interval(self) -> int:
         return 1
+
+    def protected_slots(self) -> int:
+        return self.config.sinks
 
     def _scores(self, pos: torch.Tensor) -> torch.Tensor:
         slot = torch.arange(pos.shape[-1], device=pos.device)

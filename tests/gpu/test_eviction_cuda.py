@@ -63,8 +63,10 @@ def test_decode_eviction_ops_at_real_sizes_equal_their_references():
     table = torch.randperm(pages - 1, device="cuda")[:batch * (width // page)].reshape(batch, -1).to(torch.int32)
     counts = torch.tensor([2049, 2049, 1500, 0], device="cuda")
     recent = torch.tensor([1024, 0, 16, 8], device="cuda")
-    victim = lowest_slot_triton(scores, pos, table, counts, recent, width)
-    assert torch.equal(victim, lowest_slot_reference(scores, pos, table, counts, recent, width))
+    victim = lowest_slot_triton(scores, pos, table, counts, recent, 0, width)
+    assert torch.equal(victim, lowest_slot_reference(scores, pos, table, counts, recent, 0, width))
+    oldest = lowest_slot_triton(pos, pos, table, counts, recent * 0, 4, width)  # StreamingLLM: 4 sinks
+    assert torch.equal(oldest, lowest_slot_reference(pos, pos, table, counts, recent * 0, 4, width))
     pools = [torch.randn(pages, heads, page, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     pools += [pos, scores]
     src = (counts - 1).clamp(min=0)[:, None, None].expand(-1, heads, 1).contiguous()
