@@ -239,7 +239,12 @@ def test_triton_lowest_slot_matches_reference(width, block):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     values, pos, _, _, recent, _, _ = _lowest_case(4)
     table = torch.randint(0, NUM_PAGES, (3, 10), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
-    for case in ([values, pos, table, torch.tensor([9, 0, 37]), recent],  # H2O-like
-                 [pos, pos, table, torch.tensor([9, 0, 37]), torch.zeros(3, dtype=torch.int64)]):  # StreamingLLM
-        got = lowest_slot_triton(*(t.to(device) for t in case), 2, width, block=block)
-        assert torch.equal(got.cpu(), _lowest_by_search(*case, 2, width))
+    h2o_like = [values, pos, table, torch.tensor([9, 0, 37]), recent]
+    streaming = [pos, pos, table, torch.tensor([9, 0, 37]), torch.zeros(3, dtype=torch.int64)]
+    lowest_protected = values.clone()  # row 2's protected slots 16-19 (past the first 16-slot tile) lowest of all
+    for slot in range(16, 20):
+        lowest_protected[table[2, slot // PAGE], :, slot % PAGE] = -1.0
+    sinks = [lowest_protected, pos, table, torch.tensor([9, 0, 37]), torch.zeros(3, dtype=torch.int64)]
+    for case, first in ((h2o_like, 2), (streaming, 2), (sinks, 20)):
+        got = lowest_slot_triton(*(t.to(device) for t in case), first, width, block=block)
+        assert torch.equal(got.cpu(), _lowest_by_search(*case, first, width))

@@ -80,7 +80,7 @@ if triton is not None:
         floor = tl.max(newest, axis=0) - tl.load(recent + row).to(tl.int64)
         best = tl.full([], float("inf"), tl.float32)
         best_slot = tl.full([], 0, tl.int32)
-        for start in range(0, n, BLOCK):  # the row's slots only: a budget set by ratio gives a wide width
+        for start in range(0, n, BLOCK):
             s = start + offs
             ok = s < n
             page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
@@ -89,9 +89,9 @@ if triton is not None:
             candidate = ok & (s >= first) & ~((pos >= 0) & (pos > floor))
             value = tl.where(candidate, tl.load(values + at, mask=ok, other=0.0).to(tl.float32), float("inf"))
             low = tl.min(value, axis=0)
-            first = tl.min(tl.where(value == low, s, 2147483647), axis=0)
+            low_at = tl.min(tl.where(value == low, s, 2147483647), axis=0)  # the tile's first lowest slot
             better = low < best  # ties keep the earlier tile's (lower) slot
-            best_slot = tl.where(better, first, best_slot)
+            best_slot = tl.where(better, low_at, best_slot)
             best = tl.where(better, low, best)
         tl.store(out + row * KV_HEADS + head, best_slot.to(tl.int64))
 
