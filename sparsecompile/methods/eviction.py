@@ -12,8 +12,10 @@ device moves the kept entries to the front of each ``(row, layer)`` in ``finish_
 
 * after a prompt (eager): :func:`select_keep` (top-k of a per-slot score, protected slots at +inf)
   then :func:`compact_kept`, which keeps the kept entries in slot order (SnapKV pools by slot order);
-* during decode (compiled, no host sync): :func:`evict_and_fill` drops the ``count - budget`` lowest
-  scores and moves the few tail entries into the holes, so a step moves ``interval`` slots, not ``budget``.
+* during decode (compiled, no host sync): one token a step (``interval`` 1), the ``lowest_slot`` op picks the
+  victim and :func:`fill_victim` moves the tail entry into its hole; more (``interval`` > 1),
+  :func:`evict_and_fill` drops the ``count - budget`` lowest scores and moves the few tail entries into the
+  holes. Either way a step moves ``interval`` slots, not ``budget``.
 """
 
 from __future__ import annotations
@@ -137,10 +139,6 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
     ``max_evict`` slots per head move, so this is cheap enough for every decode step.
     """
     new_count = (count - evict)[:, None, None]
-    if max_evict == 1:  # one victim a step (``interval`` 1, the default): a few fused ops, not the plan below
-        victim = torch.where(valid, scores, INF).argmin(dim=-1, keepdim=True)  # [batch, kv_heads, 1], lowest slot
-        fill_victim(manager, layer, rows, victim, count, evict)
-        return
     m = min(max_evict, scores.shape[-1])
     k = torch.arange(m, device=scores.device)
     victims = torch.where(valid, scores, INF).topk(m, dim=-1, largest=False).indices  # [batch, kv_heads, m]

@@ -70,7 +70,3 @@ class StreamingLLMRuntime(EvictionRuntime):
 
     def prefill_scores(self, manager: CacheManager, step: StepState, layer: int, width: int) -> torch.Tensor:
         return self._scores(resident(manager, layer, step.rows, width)[2])
-
-    def decode_scores(self, manager: CacheManager, step: StepState, layer: int, slots: torch.Tensor,
-                      pos: torch.Tensor) -> torch.Tensor:
-        return self._scores(pos)

@@ -30,11 +30,11 @@ def _chunked(forward: Callable, tokens: int) -> Callable:
     """``forward`` over runs of at most ``tokens`` rows of the flattened ``[batch * seq, hidden]`` input.
 
     Chunks are rows of the flattened tokens, not slices of the sequence axis: with a batch above 1, a slice
-    ``hidden[:, a:b]`` is strided and was copied to a contiguous buffer before its projections (H200, 32K x 4:
-    132 ms of strided-copy kernels gone from the profile, copies 292 -> 175 ms against HF's 160), and a call held
-    ``batch x tokens`` rows (peak 42.0 -> 39.2 GiB). A contiguous row range is a view and bounds a call's
-    activations by ``tokens`` whatever the batch. (The prefill time did not move: 5.587 -> 5.583 s, the GEMMs over
-    16K-row chunks taking about what the copies did; ``results/prefill_h200_rowchunks_b4*.jsonl``.)"""
+    ``hidden[:, a:b]`` is strided and was copied to a contiguous buffer before its projections (H200, 32K x 4,
+    one profiled call each: a 132 ms elementwise kernel gone, ``aten::copy_`` 292 -> 175 ms against HF's 160), and
+    a call held ``batch x tokens`` rows (peak 42.0 -> 39.2 GiB). A contiguous row range is a view and bounds a
+    call's activations by ``tokens`` whatever the batch. (The prefill time did not move, 5.587 -> 5.583 s; in those
+    profiles the GEMMs took 90 ms more, 2.463 -> 2.553 s; ``results/prefill_h200_rowchunks_b4*.jsonl``.)"""
     def run(hidden: torch.Tensor, *args, **kwargs):
         if (args or kwargs or torch.compiler.is_compiling() or _exporting() or not isinstance(hidden, torch.Tensor)
                 or hidden.dim() != 3 or hidden.shape[0] * hidden.shape[1] <= tokens):
