@@ -31,3 +31,19 @@ def smollm2_path():
     from sparsecompile.models.default_model import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture
+def sparsecompile_log(caplog):
+    """``caplog`` with sparsecompile's WARNING records, its handler attached to the ``sparsecompile`` logger itself:
+    that logger does not propagate to the root logger (``runtime/compilation.py``), where caplog listens, and a
+    clean CI run once missed a warning that way (2739be2)."""
+    import logging
+
+    logger = logging.getLogger("sparsecompile")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sparsecompile"):  # whatever level an earlier test left
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -6,8 +6,6 @@ the eager one here (``compile_step`` patched): what is tested is the program, no
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from tiny_models import tiny_pair
@@ -19,7 +17,7 @@ from sparsecompile.serving.decode_programs import LiveWeights, PrecompiledDecode
 
 
 @pytest.mark.slow
-def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, monkeypatch, caplog):
+def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, monkeypatch, sparsecompile_log):
     monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
     monkeypatch.setattr(controller_module, "compile_step", lambda fn, backend: fn)
     _, model = tiny_pair("llama")
@@ -50,14 +48,8 @@ def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, 
     info.write_text("{truncated")
     sparsecompile.restore(model)
     sparsecompile.optimize(model, "h2o", **options)
-    logger = logging.getLogger("sparsecompile")  # (it does not propagate to the root logger caplog watches)
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="sparsecompile"):  # whatever level an earlier test left
-            again = model.generate(ids, max_new_tokens=9, do_sample=False)
-    finally:
-        logger.removeHandler(caplog.handler)
-    assert "not using the precompiled decode program" in caplog.text
+    again = model.generate(ids, max_new_tokens=9, do_sample=False)
+    assert "not using the precompiled decode program" in sparsecompile_log.text
     assert again.tolist() == expected.tolist()
 
 

@@ -185,7 +185,7 @@ def gather_view_of(case: dict, pool: str, n: int) -> torch.Tensor:
     return gather_view(case[pool], case["index"], case["block_size"], n)
 
 
-def test_a_failing_split_path_falls_back_to_gather_and_flash_once(monkeypatch, caplog):
+def test_a_failing_split_path_falls_back_to_gather_and_flash_once(monkeypatch, sparsecompile_log):
     """The CUDA dispatch (called here on CPU tensors) with cuDNN's split raising, as a build without a plan for the
     shape would: the step still equals the reference through gather + flash, one warning, and the split is not
     tried again in the process."""
@@ -209,4 +209,4 @@ def test_a_failing_split_path_falls_back_to_gather_and_flash_once(monkeypatch, c
                                     "num_new", "block_size", "scale", "sliding_window")]
     for _ in range(2):
         _assert_matches(pa._cuda(*args, 20, True, key, value), prefill_attention_reference(**case), 2e-2, 2e-2)
-    assert len(calls) == 1 and "gather + flash" in caplog.text
+    assert len(calls) == 1 and "gather + flash" in sparsecompile_log.text
