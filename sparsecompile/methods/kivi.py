@@ -174,8 +174,8 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
         return (f"{policy.name} selects pages or tokens to read with its own kernels over the dense pool's keys "
                 f"(page min / max, key scores); over quantized pages those reads would need KIVI-aware scoring "
                 f"kernels, which do not exist yet. Use {policy.name} alone, or kivi alone")
-    if issubclass(policy, EvictionRuntime) and (policy.chunk_eviction
-                                                or _overrides(policy, EvictionRuntime, "decode_scores")):
+    if issubclass(policy, EvictionRuntime) and (policy.chunk_eviction  # (decode_interval: evicts during decode)
+                                                or _overrides(policy, EvictionRuntime, "decode_interval")):
         return (f"{policy.name} evicts resident tokens during decode (evict-and-fill moves the newest token into each "
                 f"hole{', and it evicts after every prefill chunk' if policy.chunk_eviction else ''}); KIVI quantizes "
                 f"keys per channel over groups of consecutive slots and keeps the newest tokens in full precision, so "
