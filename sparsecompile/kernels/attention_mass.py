@@ -328,8 +328,11 @@ if triton is not None:
 # H2O's 8192-token chunk (benchmarks/sessions/mass_ab.py, results/mass_ab2_h200.jsonl: 1.59 ms, 260 TFLOP/s of
 # QK^T, against 3.41 ms for the kernel before the transposed tiles); super tiles of 16 let the inner loop run
 # long enough for its query loads to be pipelined (same tiles and warps: 2.93 ms with super 1, 1.70 with 4).
+# The decode default is the fastest of 97 at H2O's decode shape (batch 64, budget 2048; benchmarks/kernels.py --only
+# mass_decode --sweep, results/kernels_mass_decode_h200.jsonl): 85.6 us, 71 % of the bandwidth, against 94.9 us for
+# 128-slot tiles in 2 stages.
 LSE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "target_programs": 528}
-MASS_DECODE_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 4, "num_stages": 2}
+MASS_DECODE_CONFIG = {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 1}
 MASS_PREFILL_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "super": 16}
 _MIN_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _LOG2E = 1.4426950408889634  # the kernels work in exp2 / log2
