@@ -159,8 +159,12 @@ class SlotAccess:
             return AttentionView(self.k_pool, self.v_pool, self.pos_pool, pages.to(torch.int32),
                                  selection.tokens.to(torch.int32), P)
         if isinstance(selection, SlotSelection):
-            slots = self.global_slots(layer, rows, selection.slots)
-            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, slots.clamp(min=0).to(torch.int32),
+            # One list for every head (OmniKV's, expanded): map it once. Mapped per head, OmniKV's capacity-wide
+            # list took 47 us a sparse layer at 128K x 4 on the H200 (results/profile_omnikv_128k_b4.txt).
+            shared = selection.slots.shape[1] > 1 and selection.slots.stride(1) == 0
+            local = selection.slots[:, :1] if shared else selection.slots
+            slots = self.global_slots(layer, rows, local).clamp(min=0).to(torch.int32)
+            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, slots.expand(-1, H, -1) if shared else slots,
                                  selection.counts.to(torch.int32), 1)
         raise TypeError(f"unknown selection type {type(selection).__name__}")
 
