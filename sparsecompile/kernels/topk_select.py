@@ -9,7 +9,11 @@ so the selection is deterministic (unlike ``torch.topk``). Callers force an entr
 
 On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton radix select: one program loads the
 row once as 32-bit order keys, radix passes find the ``count``-th largest, and one ordered pass
-writes the winners with a running prefix sum (no sort; ascending by construction). The passes are 32
+writes the winners with a running prefix sum (no sort; ascending by construction). The row sits in a
+power-of-two main tile plus a tail tile: Quest's 8,203 pages at 128K (8,192 + a page per 16 decode
+tokens) take 8,192 + 16 entries instead of 16,384. With that, Quest's decode step at 128K x 4 went
+from 8.69 to 8.43 ms on the H200 (460.2 -> 474.5 tok/s, ``results/decode_h200_quest_topk.jsonl``; one
+run, not profiled, with the decode compile's fusion-search change beside it). The passes are 32
 one-bit block reductions (``radix_bits=1``, the default, measured: 31 us a layer for Quest at 128K x 4,
 ``results/profile_quest_128k_b4.txt``) or four 8-bit histograms (``radix_bits=8``: 67 us, ``tl.histogram`` is
 slow; ``results/kernels_ops_h200_c.jsonl``). A two-bit variant (16 passes whose four digit counts shared one int64
@@ -93,12 +97,16 @@ if triton is not None:
         return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
 
     @triton.jit
-    def _threshold_1bit(key, valid, count):
-        """The largest key t with at least ``count`` keys >= t (the count-th largest key), one bit at a time."""
+    def _threshold_1bit(key, valid, key_t, valid_t, count, HAS_TAIL: tl.constexpr):
+        """The largest key t with at least ``count`` keys >= t (the count-th largest key), one bit at a time, over
+        the row's main tile and, with ``HAS_TAIL``, its tail tile."""
         thr = tl.zeros([], dtype=tl.uint32)
         for i in range(32):
             cand = thr | (tl.full([], 1, tl.uint32) << (31 - i))
-            thr = tl.where(tl.sum((valid & (key >= cand)).to(tl.int32), 0) >= count, cand, thr)
+            above = tl.sum((valid & (key >= cand)).to(tl.int32), 0)
+            if HAS_TAIL:
+                above += tl.sum((valid_t & (key_t >= cand)).to(tl.int32), 0)
+            thr = tl.where(above >= count, cand, thr)
         return thr
 
     @triton.jit
@@ -123,9 +131,19 @@ if triton is not None:
         return thr
 
     @triton.jit
+    def _take(key, valid, thr, ties, ties_before, count):
+        """0/1 per entry of a tile: above the threshold, or one of the ``ties`` equal keys to take (lowest index
+        first; ``ties_before`` equal keys sit in earlier tiles)."""
+        is_eq = (valid & (key == thr)).to(tl.int32)
+        take = (valid & (key > thr)) | ((is_eq > 0) & (ties_before + tl.cumsum(is_eq, 0) - is_eq < ties))
+        return tl.where(take & (count > 0), 1, 0).to(tl.int32), tl.sum(is_eq, 0)
+
+    @triton.jit
     def _topk_select_kernel(S, C, OUT, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
-                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
-        # One program per row; the row is one tile in registers and every radix pass runs from there.
+                            n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                            HAS_TAIL: tl.constexpr, RADIX_BITS: tl.constexpr):
+        # One program per row; the row is in registers (entries [0, BLOCK) and, with HAS_TAIL, [BLOCK, BLOCK +
+        # TAIL): a row just past a power of two need not pad to the next) and every radix pass runs from there.
         pid = tl.program_id(0)
         b = pid // HEADS
         h = pid % HEADS
@@ -136,19 +154,38 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         valid = offs < n
         key = _order_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32))
-        if RADIX_BITS == 8:
+        offs_t = BLOCK + tl.arange(0, TAIL)
+        valid_t = offs_t < n
+        key_t = _order_key(tl.load(row + offs_t, mask=valid_t & HAS_TAIL, other=0.0).to(tl.float32))
+        if RADIX_BITS == 8:  # (the launcher gives it one tile)
             thr = _threshold_8bit(key, valid, count)
         else:
-            thr = _threshold_1bit(key, valid, count)
-        ties = count - tl.sum((valid & (key > thr)).to(tl.int32), 0)  # keys equal to it to take, lowest index first
-        is_eq = (valid & (key == thr)).to(tl.int32)
-        take = (valid & (key > thr)) | ((is_eq > 0) & (tl.cumsum(is_eq, 0) - is_eq < ties))
-        take_i = tl.where(take & (count > 0), 1, 0).to(tl.int32)
-        tl.store(out + tl.cumsum(take_i, 0) - take_i, offs.to(tl.int64), mask=take_i > 0)
-        written = tl.sum(take_i, 0)
+            thr = _threshold_1bit(key, valid, key_t, valid_t, count, HAS_TAIL)
+        above = tl.sum((valid & (key > thr)).to(tl.int32), 0)
+        if HAS_TAIL:
+            above += tl.sum((valid_t & (key_t > thr)).to(tl.int32), 0)
+        ties = count - above  # keys equal to the threshold to take, lowest index first
+        take, equal = _take(key, valid, thr, ties, 0, count)
+        tl.store(out + tl.cumsum(take, 0) - take, offs.to(tl.int64), mask=take > 0)
+        written = tl.sum(take, 0)
+        if HAS_TAIL:
+            take_t, _ = _take(key_t, valid_t, thr, ties, equal, count)
+            tl.store(out + written + tl.cumsum(take_t, 0) - take_t, offs_t.to(tl.int64), mask=take_t > 0)
+            written += tl.sum(take_t, 0)
         for start in range(0, k_out, BLOCK):
             idx = start + offs
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
+
+
+def _tiles(n: int, radix_bits: int) -> tuple[int, int]:
+    """Main and tail tile sizes for a row of ``n`` scores: the largest power of two <= n and the power of two that
+    covers the rest (0: none), so a row just past a power of two (Quest's 8,203 pages at 128K) takes 8,192 + 16
+    entries, not 16,384. One tile for the 8-bit histogram select."""
+    whole = max(16, triton.next_power_of_2(n))
+    if radix_bits == 8 or whole == n or n <= 16:
+        return whole, 0
+    main = whole // 2
+    return main, max(16, triton.next_power_of_2(n - main))
 
 
 def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384,
@@ -169,11 +206,11 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
     out = torch.empty(batch, heads, k, dtype=torch.int64, device=scores.device)
     if batch * heads == 0 or k == 0:
         return out
-    block = max(16, triton.next_power_of_2(max(n, k)))
+    block, tail = _tiles(n, radix_bits)
     _topk_select_kernel[(batch * heads,)](
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
-        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, RADIX_BITS=radix_bits,
-        num_warps=num_warps or (16 if block >= 16384 else 8 if block >= 4096 else 4),
+        out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, TAIL=max(tail, 16), HAS_TAIL=tail > 0,
+        RADIX_BITS=radix_bits, num_warps=num_warps or (16 if block >= 16384 else 8 if block >= 4096 else 4),
     )
     return out
 
