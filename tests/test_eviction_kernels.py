@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from sparsecompile.kernels import (
+    evict_lowest,
+    evict_lowest_reference,
     h2o_accumulate,
     h2o_accumulate_reference,
-    lowest_slot,
     move_slots,
     move_slots_reference,
     snapkv_scores,
@@ -182,69 +183,82 @@ def test_triton_move_slots_matches_reference(narrow):
         assert torch.equal(got, expected)
 
 
-def _lowest_case(seed=0, batch=3, width=13, first=0):
-    """Score and position pools, three rows' table rows, counts (one row empty, one over ``width``), protected
-    windows, tied scores and empty slots (position -1) among the resident ones."""
+def _evict_case(seed=0, width=13, first=0, pages_per_row=4):
+    """Pools ``[k, v, pos, score]`` and three rows on disjoint pages (the op writes them): counts over the budget
+    (one of them past ``width``), at it, and empty; protected windows; tied scores and empty slots (position -1)
+    among the resident ones."""
     g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 4, (NUM_PAGES + 1, HEADS, PAGE), generator=g).float()  # small ints: ties
-    pos = torch.randperm((NUM_PAGES + 1) * HEADS * PAGE, generator=g).reshape(NUM_PAGES + 1, HEADS, PAGE)
+    pages = 3 * pages_per_row + 1
+    k = torch.randn(pages, HEADS, PAGE, DIM, generator=g)
+    pos = torch.randperm(pages * HEADS * PAGE, generator=g).reshape(pages, HEADS, PAGE)
     pos = torch.where(torch.rand(pos.shape, generator=g) < 0.15, -1, pos).to(torch.int32)
-    table = torch.randint(0, NUM_PAGES, (batch, 4), generator=g, dtype=torch.int32)  # read only: pages may repeat
-    counts = torch.tensor([9, 0, 16])[:batch]
-    recent = torch.tensor([3, 2, 0])[:batch]
-    return values, pos, table, counts, recent, first, width
+    scores = torch.randint(0, 4, (pages, HEADS, PAGE), generator=g).float()  # small ints: ties
+    table = torch.randperm(pages, generator=g)[:3 * pages_per_row].reshape(3, pages_per_row).to(torch.int32)
+    counts = torch.tensor([9, 0, min(16, pages_per_row * PAGE)], dtype=torch.int32)
+    budget = torch.tensor([8, 0, 16])
+    budget[2] = counts[2] - 1
+    recent = torch.tensor([3, 2, 0])
+    return [k, -k, pos, scores], table, counts, budget, recent, first, width
 
 
-def _lowest_by_search(values, pos, table, counts, recent, first, width):
-    """Slot by slot: the newest position of the row's head, then the first lowest value outside its window and
-    past the ``first`` leading slots."""
-    out = torch.zeros(table.shape[0], HEADS, 1, dtype=torch.int64)
+def _evicted_by_search(pools, values, table, counts, budget, recent, first, width):
+    """Slot by slot: in each evicting row, the newest position of the head, the first lowest value outside its
+    window and past the ``first`` leading slots, then the tail slot copied into it."""
+    out = [p.clone() for p in pools]
     for b in range(table.shape[0]):
         n = min(int(counts[b]), width)
+        if int(counts[b]) <= int(budget[b]):
+            continue
         for h in range(HEADS):
             slots = [(int(table[b, s // PAGE]), s % PAGE) for s in range(n)]
-            positions = [int(pos[p, h, o]) for p, o in slots]
+            positions = [int(pools[2][p, h, o]) for p, o in slots]
             newest = max(positions, default=-1)
-            best, best_slot = math.inf, 0
+            best, victim = math.inf, 0
             for s, (p, o) in enumerate(slots):
                 if s < first or (positions[s] >= 0 and positions[s] > newest - int(recent[b])):
                     continue  # protected
-                if float(values[p, h, o]) < best:
-                    best, best_slot = float(values[p, h, o]), s
-            out[b, h, 0] = best_slot
+                if float(pools[values][p, h, o]) < best:
+                    best, victim = float(pools[values][p, h, o]), s
+            tail = int(counts[b]) - 1
+            if victim < tail:
+                for pool in out:
+                    pool[table[b, victim // PAGE], h, victim % PAGE] = pool[table[b, tail // PAGE], h, tail % PAGE]
     return out
 
 
-@pytest.mark.parametrize("seed,first,by_position", [(0, 0, False), (1, 0, False), (2, 3, False), (3, 2, True)])
-def test_lowest_slot_is_the_first_lowest_value_outside_the_protected_slots(seed, first, by_position):
-    """H2O's victim (lowest score outside the recent window) and StreamingLLM's (the oldest position past the sinks:
-    the positions are the values)."""
-    case = list(_lowest_case(seed, first=first))
-    if by_position:
-        case[0] = case[1]
-    want = _lowest_by_search(*case)
-    assert torch.equal(lowest_slot(*case), want)
-    assert want[1].eq(0).all()  # a row without slots: slot 0, as argmin over +inf
+@pytest.mark.parametrize("seed,first,values", [(0, 0, 3), (1, 0, 3), (2, 3, 3), (3, 2, 2)])
+def test_evict_lowest_refills_the_first_lowest_value_outside_the_protected_slots(seed, first, values):
+    """H2O's victim (lowest score outside the recent window: ``values`` 3) and StreamingLLM's (the oldest position
+    past the sinks: the positions are the values, 2); rows at their budget and empty rows are left alone."""
+    pools, *rest = _evict_case(seed, first=first)
+    want = _evicted_by_search(pools, values, *rest)
+    evict_lowest(pools, values, *rest)
+    assert all(torch.equal(got, expected) for got, expected in zip(pools, want))
+    assert not torch.equal(want[0], _evict_case(seed, first=first)[0][0])  # something moved
 
 
-def test_opcheck_lowest_slot():
-    torch.library.opcheck(torch.ops.sparsecompile.lowest_slot.default, _lowest_case(3))
+def test_opcheck_evict_lowest():
+    pools, *rest = _evict_case(3)
+    torch.library.opcheck(torch.ops.sparsecompile.evict_lowest.default, (pools, 3, *rest))
 
 
 @triton_only
-@pytest.mark.parametrize("width,block", [(13, None), (40, 16)])  # one tile; three tiles, ties across them
-def test_triton_lowest_slot_matches_reference(width, block):
-    from sparsecompile.kernels.lowest_slot import lowest_slot_triton
+@pytest.mark.parametrize("width,block,narrow", [(13, None, 2), (40, 16, 2), (40, 16, 4)])  # one tile; three tiles,
+def test_triton_evict_lowest_matches_reference(width, block, narrow):  # ties across them; 4 pools: two launches
+    from sparsecompile.kernels.evict_lowest import evict_lowest_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    values, pos, _, _, recent, _, _ = _lowest_case(4)
-    table = torch.randint(0, NUM_PAGES, (3, 10), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
-    h2o_like = [values, pos, table, torch.tensor([9, 0, 37]), recent]
-    streaming = [pos, pos, table, torch.tensor([9, 0, 37]), torch.zeros(3, dtype=torch.int64)]
-    lowest_protected = values.clone()  # row 2's protected slots 16-19 (past the first 16-slot tile) lowest of all
+    pools, table, counts, budget, recent, _, _ = _evict_case(4, pages_per_row=10)
+    counts[2], budget[2] = 37, 36
+    lowest_protected = pools[3].clone()  # row 2's protected slots 16-19 (past the first 16-slot tile) lowest of all
     for slot in range(16, 20):
         lowest_protected[table[2, slot // PAGE], :, slot % PAGE] = -1.0
-    sinks = [lowest_protected, pos, table, torch.tensor([9, 0, 37]), torch.zeros(3, dtype=torch.int64)]
-    for case, first in ((h2o_like, 2), (streaming, 2), (sinks, 20)):
-        got = lowest_slot_triton(*(t.to(device) for t in case), first, width, block=block)
-        assert torch.equal(got.cpu(), _lowest_by_search(*case, first, width))
+    pools = (pools[:3] + [lowest_protected, torch.rand_like(pools[3]), -torch.rand_like(pools[3])])[:2 + narrow]
+    for values, first, zero_recent in ((3, 2, False), (2, 2, True), (3, 20, True)):  # h2o; streaming; sinks
+        window = recent * 0 if zero_recent else recent
+        case = [[p.clone().to(device) for p in pools], values, table.to(device), counts.to(device),
+                budget.to(device), window.to(device), first, width]
+        want = [p.clone() for p in case[0]]
+        evict_lowest_reference(want, *case[1:])
+        evict_lowest_triton(*case, block=block)
+        assert all(torch.equal(got.cpu(), expected.cpu()) for got, expected in zip(case[0], want))

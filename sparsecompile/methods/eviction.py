@@ -12,8 +12,8 @@ device moves the kept entries to the front of each ``(row, layer)`` in ``finish_
 
 * after a prompt (eager): :func:`select_keep` (top-k of a per-slot score, protected slots at +inf)
   then :func:`compact_kept`, which keeps the kept entries in slot order (SnapKV pools by slot order);
-* during decode (compiled, no host sync): one token a step (``interval`` 1), the ``lowest_slot`` op picks the
-  victim and :func:`fill_victim` moves the tail entry into its hole; more (``interval`` > 1),
+* during decode (compiled, no host sync): one token a step (``interval`` 1), the ``evict_lowest`` op picks the
+  victim and moves the tail entry into its hole (``CacheManager.evict_lowest``); more (``interval`` > 1),
   :func:`evict_and_fill` drops the ``count - budget`` lowest scores and moves the few tail entries into the
   holes. Either way a step moves ``interval`` slots, not ``budget``.
 """
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..config import MethodConfig, MethodConfigError, option
-from ..kernels import gather_slots, lowest_slot
+from ..kernels import gather_slots
 from ..runtime.compilation import static_address
 from ..runtime.contract import SparseMethod
 from ..runtime.host import to_device
@@ -159,15 +159,6 @@ def evict_and_fill(manager: CacheManager, layer: int, rows: torch.Tensor, scores
     manager.fill_slots(layer, rows, torch.where(ok, src, -1), torch.where(ok, dst, -1))  # holes and tail: disjoint
 
 
-def fill_victim(manager: CacheManager, layer: int, rows: torch.Tensor, victim: torch.Tensor, count: torch.Tensor,
-                evict: torch.Tensor) -> None:
-    """Drop one slot per head, ``victim [batch, kv_heads, 1]`` (row-local), where ``evict [batch]`` is 1: the tail
-    slot ``count - 1`` refills the hole; a victim that is the tail itself leaves none (traceable)."""
-    new_count = (count - evict)[:, None, None]
-    hole = (evict[:, None, None] > 0) & (victim < new_count)
-    manager.fill_slots(layer, rows, torch.where(hole, new_count.expand_as(victim), -1), torch.where(hole, victim, -1))
-
-
 # ---------------------------------------------------------------------------------------------- runtime
 class EvictionRuntime(SparseMethod):
     """Budget bookkeeping and physical eviction shared by the eviction methods.
@@ -182,9 +173,10 @@ class EvictionRuntime(SparseMethod):
     #: evict after every prefill chunk (H2O), not only after the prompt's last one
     chunk_eviction: ClassVar[bool] = False
     #: when decode evicts one token a step, the per-slot values whose lowest outside the protected slots is the
-    #: victim: a slot metadata name, or :data:`POSITIONS` (the oldest token goes). Then the ``lowest_slot`` op picks
-    #: it, one node and one launch per layer, instead of :meth:`decode_scores` (None: :meth:`decode_scores` and
-    #: :func:`evict_and_fill`); :meth:`protected_slots` and the recent window say what it never takes.
+    #: victim: a slot metadata name, or :data:`POSITIONS` (the oldest token goes). Then the ``evict_lowest`` op
+    #: picks it and fills its hole, one node and one launch per layer, instead of :meth:`decode_scores` (None:
+    #: :meth:`decode_scores` and :func:`evict_and_fill`); :meth:`protected_slots` and the recent window say what it
+    #: never takes.
     victim_values: ClassVar[str | None] = None
 
     def __init__(self, config: EvictionConfig, model: ModelInfo) -> None:
@@ -350,19 +342,16 @@ class EvictionRuntime(SparseMethod):
         """Traceable: rows at ``budget + interval`` slots drop to ``budget`` (all inside the compiled step)."""
         width = self.decode_width(manager)
         budget = self._limits[step.rows, 0]
-        fused = self.victim_values is not None and self.decode_interval == 1
-        if fused:
-            values = (manager.pos_pool if self.victim_values == POSITIONS
-                      else manager.slot_metadata[self.victim_values])
+        if self.victim_values is not None and self.decode_interval == 1:
+            values = None if self.victim_values == POSITIONS else self.victim_values
             recent = self.decode_recent(step.rows)
+            for layer in range(self.model.num_layers):
+                count = manager.lengths[step.rows, manager.layer_key(layer)]
+                manager.evict_lowest(layer, step.rows, values, count, budget, recent, self.protected_slots(), width)
+            return
         for layer in range(self.model.num_layers):
             count = manager.lengths[step.rows, manager.layer_key(layer)].long()
             evict = torch.where(count >= budget + self.decode_interval, count - budget, 0)
-            if fused:
-                table = manager.block_table[step.rows, manager.layer_key(layer)]
-                victim = lowest_slot(values, manager.pos_pool, table, count, recent, self.protected_slots(), width)
-                fill_victim(manager, layer, step.rows, victim, count, evict)
-                continue
             slots, valid, pos = resident(manager, layer, step.rows, width)
             scores = self.decode_scores(manager, step, layer, slots, pos)
             evict_and_fill(manager, layer, step.rows, scores, valid, count, evict, self.decode_interval)

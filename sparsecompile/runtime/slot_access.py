@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels import evict_lowest as evict_lowest_op
 from ..kernels import gather_slots, kv_write
 from ..kernels import move_slots as move_slots_op
 from .step import StepState
@@ -207,6 +208,19 @@ class SlotAccess:
             return
         move_slots_op([self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values()],
                       self.block_table[rows, self.layer_key(layer)], src, dst)
+
+    def evict_lowest(self, layer: int, rows: torch.Tensor, values: str | None, counts: torch.Tensor,
+                     budget: torch.Tensor, recent: torch.Tensor, first: int, width: int) -> None:
+        """Decode eviction of one token (traceable, one op): in each ``(row, head)`` of the rows holding more than
+        ``budget [batch]`` of ``counts [batch]`` slots, the slot with the lowest per-slot ``values`` (a metadata
+        name; None: the positions, oldest first) outside the ``first`` leading slots and the ``recent [batch]``
+        newest positions goes, and the tail slot refills its hole (``kernels/evict_lowest.py``). The caller
+        truncates those rows to ``counts - 1``. Not with a storage format (no method evicts in decode over one)."""
+        if self.storage is not None:
+            raise TypeError("a KIVI-stored cache does not evict during decode (h2o+kivi, streamingllm+kivi: refused)")
+        which = 2 if values is None else 3 + list(self.slot_metadata).index(values)
+        evict_lowest_op([self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values()], which,
+                        self.block_table[rows, self.layer_key(layer)], counts, budget, recent, first, width)
 
     def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:
         """Empty (position -1) the slots among the first ``count`` of ``(row, layer)`` whose token is at position

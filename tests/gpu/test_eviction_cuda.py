@@ -50,10 +50,10 @@ def test_eviction_cuda_graph_decode_equals_eager(method, options, dtype):
 
 
 def test_decode_eviction_ops_at_real_sizes_equal_their_references():
-    """``lowest_slot`` and the one-launch ``move_slots`` at the 8B shape's decode eviction (8 KV heads, pages of 32,
-    H2O's budget 2048 + 1 slots, 4 rows) against their torch references: exact (they compare and copy)."""
-    from sparsecompile.kernels.lowest_slot import lowest_slot_reference, lowest_slot_triton
-    from sparsecompile.kernels.slot_move import move_slots_reference, move_slots_triton
+    """``evict_lowest`` at the 8B shape's decode eviction (8 KV heads, pages of 32, H2O's budget 2048 + 1 slots, 4
+    rows: two evicting, one under its budget, one empty) against its torch reference, H2O's scores and StreamingLLM's
+    positions with 4 sinks: exact (it compares and copies)."""
+    from sparsecompile.kernels.evict_lowest import evict_lowest_reference, evict_lowest_triton
 
     torch.manual_seed(0)
     heads, page, dim, batch, width = 8, 32, 128, 4, 2080
@@ -61,17 +61,14 @@ def test_decode_eviction_ops_at_real_sizes_equal_their_references():
     scores = torch.rand(pages, heads, page, device="cuda").mul_(8).floor_()  # ties
     pos = torch.randperm(pages * heads * page, device="cuda").reshape(pages, heads, page).to(torch.int32)
     table = torch.randperm(pages - 1, device="cuda")[:batch * (width // page)].reshape(batch, -1).to(torch.int32)
-    counts = torch.tensor([2049, 2049, 1500, 0], device="cuda")
+    counts = torch.tensor([2049, 2049, 1500, 0], device="cuda", dtype=torch.int32)
+    budget = torch.tensor([2048, 2048, 2048, 2048], device="cuda")
     recent = torch.tensor([1024, 0, 16, 8], device="cuda")
-    victim = lowest_slot_triton(scores, pos, table, counts, recent, 0, width)
-    assert torch.equal(victim, lowest_slot_reference(scores, pos, table, counts, recent, 0, width))
-    oldest = lowest_slot_triton(pos, pos, table, counts, recent * 0, 4, width)  # StreamingLLM: 4 sinks
-    assert torch.equal(oldest, lowest_slot_reference(pos, pos, table, counts, recent * 0, 4, width))
-    pools = [torch.randn(pages, heads, page, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    pools += [pos, scores]
-    src = (counts - 1).clamp(min=0)[:, None, None].expand(-1, heads, 1).contiguous()
-    dst = torch.where(victim < src, victim, -1)
-    want = [p.clone() for p in pools]
-    move_slots_reference(want, table, src, dst)
-    move_slots_triton(pools, table, src, dst)
-    assert all(torch.equal(a, b) for a, b in zip(pools, want))
+    kv = [torch.randn(pages, heads, page, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    for values, first, window in ((3, 0, recent), (2, 4, recent * 0)):
+        pools = [t.clone() for t in (*kv, pos, scores)]
+        want = [p.clone() for p in pools]
+        evict_lowest_reference(want, values, table, counts, budget, window, first, width)
+        evict_lowest_triton(pools, values, table, counts, budget, window, first, width)
+        assert all(torch.equal(a, b) for a, b in zip(pools, want))
+        assert not torch.equal(pools[0], kv[0])
