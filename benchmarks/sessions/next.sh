@@ -29,6 +29,9 @@
 #   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
 #   bash benchmarks/sessions/next.sh b4_profile   # #13 vanilla vs HF at 32K x 4, profiled                          ~3 min
 #   bash benchmarks/sessions/next.sh gaps_h2o     # #13 h2o's GPU idle at 32K, default chunks                       ~1.5 min
+#   bash benchmarks/sessions/next.sh h2o_profile  # #14 h2o vs snapkv engine step at 32K x 1, profiled (ran)       ~3 min
+#   bash benchmarks/sessions/next.sh h2o_evict    # #14 evict_lowest: GPU tests, generate() h2o vs snapkv, profile  ~7 min
+#   bash benchmarks/sessions/next.sh quest_topk   # #14 topk tail / shared OmniKV slots: tests, 32K x 1 + 128K x 4  ~6 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -38,11 +41,13 @@
 # 2026-12-02 fifth session: split (cuDNN split: faster everywhere -> SPLIT = True), split_matrix, split_tests (+ the
 # rest by hand: 57 passed), vanilla b4 HF vs ours before / after row-range MLP chunks (1.019x -> 1.005x, profiled),
 # user_path h2o with programs (warm process 0.3 s, first call 94.5 s), h2o vs snapkv (0.873x), kernels.py --only mass.
+# 2026-12-02 sixth session: h2o_victim (the two-pass lowest_slot: no gain), quest_profile, mass_decode (-> MASS_DECODE_CONFIG),
+# h2o_profile (lowest_slot 12.6 us a layer), h2o_victim2 (one tile: h2o 0.980x snapkv through generate()), quest
+# (topk tail + shared OmniKV slots: 128K x 4 only, no tests, no profile; the GPU time ran out).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `h2o_victim` (#14: the fused decode eviction, unmeasured), `quest_profile` (#14), `mass_decode` (#14), `gaps_h2o` (#13), `programs` METHOD=quest (#14 warm
-# process), `kivi_capacity` (#20: snapkv+kivi's decode at its largest batch; ~5 min), `profile` METHODS=quest (#14
-# first call with its compile phases), GRID="16,32,64;2;64x128x4,64x256x8,128x128x8" `mass_ab2` (h2o prefill, now
-# 1.04x `vanilla`: low priority).
+# `h2o_evict` (#14: the evict_lowest op, unrun on the GPU), `quest_topk` (its GPU tests and profile), `programs`
+# METHOD=quest (#14 warm process), `kivi_capacity` (#20), `profile` METHODS=quest (#14 first call with its compile
+# phases).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
@@ -148,6 +153,51 @@ h2o_victim)  # #14: h2o decode with the lowest_slot op and the one-launch move_s
   timeout -s INT 330 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
     --no-engine --tag _h200_h2o_victim --out "$OUT" > "$OUT/user_path_h2o_victim.log" 2>&1
   echo "rc=$?"; grep "compile phases" "$OUT/user_path_h2o_victim.log" | cut -c1-400; tail -4 "$OUT/user_path_h2o_victim.log" | cut -c1-250 ;;
+h2o_evict)  # #14: h2o's decode eviction (evict_lowest: victim + refill in one op since 2026-12-02; lowest_slot one-tile
+  # and the fusion search at 16 before it, ran as h2o_victim2): GPU tests, h2o vs snapkv through generate() with h2o's
+  # first call (cold), then the engine step of both, profiled (~7 min)
+  timeout -s INT 150 $P tests/gpu/test_eviction_cuda.py tests/test_eviction_kernels.py > "$OUT/gpu_tests_h2o_evict.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_h2o_evict.log" | tail -6
+  timeout -s INT 260 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
+    --no-engine --tag _h200_h2o_evict --out "$OUT" > "$OUT/user_path_h2o_evict.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/user_path_h2o_evict.log" | cut -c1-250
+  timeout -s INT 150 python3 benchmarks/decode.py --points 32768x1 --methods snapkv,h2o --no-hf --max-batch "" \
+    --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_h2o_evict > "$OUT/h2o_profile_evict.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_profile_evict.log" | cut -c1-220; grep "evict_lowest\|_mass_kernel" "$OUT"/profile_h2o_32k_b1.txt | cut -c1-200 ;;
+quest_topk)  # #14: topk_select as a main tile plus a tail (Quest's 8,203 pages: 8,192 + 16 entries, not 16,384) and
+  # OmniKV's slot list mapped once for all heads: the selection GPU tests, then vanilla / quest / omnikv at 32K x 1
+  # and 128K x 4 (quest 2.38x, omnikv 2.12x before), 128K x 4 profiled (~6 min)
+  timeout -s INT 100 $P tests/gpu/test_selection_cuda.py tests/test_selection_kernels.py > "$OUT/gpu_tests_quest_topk.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_quest_topk.log" | tail -6
+  timeout -s INT 420 python3 benchmarks/decode.py --points 32768x1,131072x4 --methods vanilla,quest,omnikv --no-hf \
+    --max-batch "" --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_topk > "$OUT/quest_topk.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/quest_topk.log" | cut -c1-200
+  grep -h "topk_select_kernel\|_quest_scores\|_paged_attention" "$OUT"/profile_*_128k_b4.txt | cut -c1-200 ;;
+h2o_victim2)  # #14: lowest_slot as one tile (12.6 us a layer at 32K x 1 in the two-pass form) and the fusion search cut
+  # to 16 pairs: GPU tests, h2o vs snapkv through generate() with h2o's first call (cold), then the engine step of
+  # both, profiled (~7 min)
+  timeout -s INT 150 $P tests/gpu/test_eviction_cuda.py tests/test_eviction_kernels.py > "$OUT/gpu_tests_h2o_victim2.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_h2o_victim2.log" | tail -6
+  timeout -s INT 260 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
+    --no-engine --tag _h200_h2o_victim2 --out "$OUT" > "$OUT/user_path_h2o_victim2.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/user_path_h2o_victim2.log" | cut -c1-250
+  timeout -s INT 150 python3 benchmarks/decode.py --points 32768x1 --methods snapkv,h2o --no-hf --max-batch "" \
+    --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_h2o_victim2 > "$OUT/h2o_profile2.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_profile2.log" | cut -c1-220; grep "lowest_slot\|_mass_kernel" "$OUT"/profile_h2o_32k_b1.txt | cut -c1-200 ;;
+quest_topk)  # #14: topk_select as a main tile plus a tail (Quest's 8,203 pages: 8,192 + 16 entries, not 16,384): its
+  # GPU tests, the op rows, then quest against vanilla at 32K x 1 and 128K x 4 (2.38x before) (~6 min)
+  timeout -s INT 100 $P tests/gpu/test_selection_cuda.py tests/test_selection_kernels.py > "$OUT/gpu_tests_quest_topk.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_quest_topk.log" | tail -6
+  timeout -s INT 100 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops_topk.log" 2>&1
+  echo "rc=$?"; grep topk "$OUT"/kernels_ops*.jsonl | cut -c1-200
+  timeout -s INT 330 python3 benchmarks/decode.py --points 32768x1,131072x4 --methods vanilla,quest --no-hf --max-batch "" \
+    --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_topk > "$OUT/quest_topk.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/quest_topk.log" | cut -c1-200 ;;
+h2o_profile)  # #14: where h2o's decode step spends the time snapkv's does not, at 32K x 1 (budget 2048; generate():
+  # 176 against 200 tok/s, target 0.9x), each profiled (profile_{snapkv,h2o}_32k_b1*.txt) (~4 min)
+  timeout -s INT 400 python3 benchmarks/decode.py --points 32768x1 --methods snapkv,h2o --no-hf --max-batch "" \
+    --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_h2o_profile > "$OUT/h2o_profile.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_profile.log" | cut -c1-220; tail -3 "$OUT/h2o_profile.log" | cut -c1-200 ;;
 quest_profile)  # #14: quest / omnikv at 128K x 4 against vanilla (2.42x / 2.17x, targets 3.0x / 2.5x), each point
   # profiled (profile_{vanilla,quest,omnikv}_131072_b4*.txt: where quest's ~1.5 ms a step over its floor goes;
   # the last profile, from issue #5's kernels, had paged attention over the 2,048 selected tokens at 44 us a layer,
