@@ -29,7 +29,6 @@
 #   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
 #   bash benchmarks/sessions/next.sh b4_profile   # #13 vanilla vs HF at 32K x 4, profiled                          ~3 min
 #   bash benchmarks/sessions/next.sh gaps_h2o     # #13 h2o's GPU idle at 32K, default chunks                       ~1.5 min
-#   bash benchmarks/sessions/next.sh h2o_profile  # #14 h2o vs snapkv engine step at 32K x 1, profiled (ran)       ~3 min
 #   bash benchmarks/sessions/next.sh h2o_evict    # #14 evict_lowest: GPU tests, generate() h2o vs snapkv, profile  ~7 min
 #   bash benchmarks/sessions/next.sh quest_topk   # #14 topk tail / shared OmniKV slots: tests, 32K x 1 + 128K x 4  ~6 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
@@ -145,14 +144,6 @@ split)  # #13 h2o prefill: cuDNN split for host-vouched dense steps (kernels/pre
   timeout -s INT 100 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 131072 \
     --batches 1 --chunk-sizes default --out "$OUT" --tag _h200_split > "$OUT/prefill_split128.log" 2>&1
   echo "128K rc=$?"; grep '"system"' "$OUT/prefill_split128.log" | cut -c1-220 ;;
-h2o_victim)  # #14: h2o decode with the lowest_slot op and the one-launch move_slots (2026-12-02, unmeasured): the
-  # eviction GPU tests and kernel tests on CUDA, then h2o vs snapkv through generate() at 32K x 1 (0.873x before,
-  # target 0.9x) with h2o's first call (94.5 s before, target 30 s) (~7 min)
-  timeout -s INT 200 $P tests/gpu/test_eviction_cuda.py tests/test_eviction_kernels.py > "$OUT/gpu_tests_h2o_victim.log" 2>&1
-  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_h2o_victim.log" | tail -6
-  timeout -s INT 330 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
-    --no-engine --tag _h200_h2o_victim --out "$OUT" > "$OUT/user_path_h2o_victim.log" 2>&1
-  echo "rc=$?"; grep "compile phases" "$OUT/user_path_h2o_victim.log" | cut -c1-400; tail -4 "$OUT/user_path_h2o_victim.log" | cut -c1-250 ;;
 h2o_evict)  # #14: h2o's decode eviction (evict_lowest: victim + refill in one op since 2026-12-02; lowest_slot one-tile
   # and the fusion search at 16 before it, ran as h2o_victim2): GPU tests, h2o vs snapkv through generate() with h2o's
   # first call (cold), then the engine step of both, profiled (~7 min)
@@ -173,31 +164,6 @@ quest_topk)  # #14: topk_select as a main tile plus a tail (Quest's 8,203 pages:
     --max-batch "" --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_topk > "$OUT/quest_topk.log" 2>&1
   echo "rc=$?"; grep -E '"method"' "$OUT/quest_topk.log" | cut -c1-200
   grep -h "topk_select_kernel\|_quest_scores\|_paged_attention" "$OUT"/profile_*_128k_b4.txt | cut -c1-200 ;;
-h2o_victim2)  # #14: lowest_slot as one tile (12.6 us a layer at 32K x 1 in the two-pass form) and the fusion search cut
-  # to 16 pairs: GPU tests, h2o vs snapkv through generate() with h2o's first call (cold), then the engine step of
-  # both, profiled (~7 min)
-  timeout -s INT 150 $P tests/gpu/test_eviction_cuda.py tests/test_eviction_kernels.py > "$OUT/gpu_tests_h2o_victim2.log" 2>&1
-  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_h2o_victim2.log" | tail -6
-  timeout -s INT 260 python3 benchmarks/user_path.py --methods snapkv,h2o --points 32768x1 --new-tokens 129 --repeats 3 \
-    --no-engine --tag _h200_h2o_victim2 --out "$OUT" > "$OUT/user_path_h2o_victim2.log" 2>&1
-  echo "rc=$?"; tail -4 "$OUT/user_path_h2o_victim2.log" | cut -c1-250
-  timeout -s INT 150 python3 benchmarks/decode.py --points 32768x1 --methods snapkv,h2o --no-hf --max-batch "" \
-    --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_h2o_victim2 > "$OUT/h2o_profile2.log" 2>&1
-  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_profile2.log" | cut -c1-220; grep "lowest_slot\|_mass_kernel" "$OUT"/profile_h2o_32k_b1.txt | cut -c1-200 ;;
-quest_topk)  # #14: topk_select as a main tile plus a tail (Quest's 8,203 pages: 8,192 + 16 entries, not 16,384): its
-  # GPU tests, the op rows, then quest against vanilla at 32K x 1 and 128K x 4 (2.38x before) (~6 min)
-  timeout -s INT 100 $P tests/gpu/test_selection_cuda.py tests/test_selection_kernels.py > "$OUT/gpu_tests_quest_topk.log" 2>&1
-  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_quest_topk.log" | tail -6
-  timeout -s INT 100 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops_topk.log" 2>&1
-  echo "rc=$?"; grep topk "$OUT"/kernels_ops*.jsonl | cut -c1-200
-  timeout -s INT 330 python3 benchmarks/decode.py --points 32768x1,131072x4 --methods vanilla,quest --no-hf --max-batch "" \
-    --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_topk > "$OUT/quest_topk.log" 2>&1
-  echo "rc=$?"; grep -E '"method"' "$OUT/quest_topk.log" | cut -c1-200 ;;
-h2o_profile)  # #14: where h2o's decode step spends the time snapkv's does not, at 32K x 1 (budget 2048; generate():
-  # 176 against 200 tok/s, target 0.9x), each profiled (profile_{snapkv,h2o}_32k_b1*.txt) (~4 min)
-  timeout -s INT 400 python3 benchmarks/decode.py --points 32768x1 --methods snapkv,h2o --no-hf --max-batch "" \
-    --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_h2o_profile > "$OUT/h2o_profile.log" 2>&1
-  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_profile.log" | cut -c1-220; tail -3 "$OUT/h2o_profile.log" | cut -c1-200 ;;
 quest_profile)  # #14: quest / omnikv at 128K x 4 against vanilla (2.42x / 2.17x, targets 3.0x / 2.5x), each point
   # profiled (profile_{vanilla,quest,omnikv}_131072_b4*.txt: where quest's ~1.5 ms a step over its floor goes;
   # the last profile, from issue #5's kernels, had paged attention over the 2,048 selected tokens at 44 us a layer,
