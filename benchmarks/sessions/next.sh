@@ -31,6 +31,7 @@
 #   bash benchmarks/sessions/next.sh gaps_h2o     # #13 h2o's GPU idle at 32K, default chunks                       ~1.5 min
 #   bash benchmarks/sessions/next.sh h2o_evict    # #14 evict_lowest: GPU tests, generate() h2o vs snapkv, profile  ~7 min
 #   bash benchmarks/sessions/next.sh quest_topk   # #14 topk tail / shared OmniKV slots: tests, 32K x 1 + 128K x 4  ~6 min
+#   bash benchmarks/sessions/next.sh kivi_fma     # #20 KIVI decode on the CUDA cores vs the package kernel       ~5 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -44,9 +45,9 @@
 # h2o_profile (lowest_slot 12.6 us a layer), h2o_victim2 (one tile: h2o 0.980x snapkv through generate()), quest
 # (topk tail + shared OmniKV slots: 128K x 4 only, no tests, no profile; the GPU time ran out).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `h2o_evict` (#14: the evict_lowest op, unrun on the GPU), `quest_topk` (its GPU tests and profile), `programs`
-# METHOD=quest (#14 warm process), `kivi_capacity` (#20), `profile` METHODS=quest (#14 first call with its compile
-# phases).
+# `h2o_evict` (#14: the evict_lowest op, unrun on the GPU), `quest_topk` (its GPU tests and profile), `kivi_fma` (#20:
+# the CUDA-core KIVI decode experiment), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `profile`
+# METHODS=quest (#14 first call with its compile phases).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
@@ -164,6 +165,12 @@ quest_topk)  # #14: topk_select as a main tile plus a tail (Quest's 8,203 pages:
     --max-batch "" --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_topk > "$OUT/quest_topk.log" 2>&1
   echo "rc=$?"; grep -E '"method"' "$OUT/quest_topk.log" | cut -c1-200
   grep -h "topk_select_kernel\|_quest_scores\|_paged_attention" "$OUT"/profile_*_128k_b4.txt | cut -c1-200 ;;
+kivi_fma)  # #20: KIVI decode attention on the CUDA cores (benchmarks/sessions/kivi_fma.py: no tl.dot, exact GQA rows)
+  # against the package kernel (9-18 % of the bandwidth), 2 / 4 bits at 32K x 1, 32K x 16, 128K x 1, 128K x 4, nine
+  # launch configs; a clear win replaces the package's quantized loop (~5 min)
+  (cd benchmarks && timeout -s INT 500 python3 sessions/kivi_fma.py --out "$OUT" > "$OUT/kivi_fma.log" 2>&1)
+  echo "rc=$?"; python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/kivi_fma_h200.jsonl')][1:]
+for r in rows: print(r['variant'], r.get('config'), r['bits'], r['batch'], r['context'], round(r.get('us', -1), 1), round(r.get('pct_of_bw', 0), 1), r.get('max_err', r.get('error')))" ;;
 quest_profile)  # #14: quest / omnikv at 128K x 4 against vanilla (2.42x / 2.17x, targets 3.0x / 2.5x), each point
   # profiled (profile_{vanilla,quest,omnikv}_131072_b4*.txt: where quest's ~1.5 ms a step over its floor goes;
   # the last profile, from issue #5's kernels, had paged attention over the 2,048 selected tokens at 44 us a layer,
