@@ -34,6 +34,8 @@ from .slot_move import move_slots_reference, move_slots_triton
 try:
     import triton
     import triton.language as tl
+
+    from .slot_move import copy_slot
 except ImportError:  # pragma: no cover - triton is a Linux-only dependency
     triton = None
 
@@ -105,6 +107,12 @@ if triton is not None:
         return tl.where(better, low, best), tl.where(better, low_at, best_slot)
 
     @triton.jit
+    def _pool_rows(table_row, s, ok, head, KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
+        """Flat ``[pages, heads, PAGE]`` pool rows of row-local slots ``s`` (where ``ok``) of one (row, ``head``)."""
+        page = tl.load(table_row + s // PAGE, mask=ok, other=0).to(tl.int64)
+        return (page * KV_HEADS + head) * PAGE + s % PAGE
+
+    @triton.jit
     def _victim(values, pos_pool, table, n, recent, first, row, head, stride_table, KV_HEADS: tl.constexpr,
                 PAGE: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
         """The row-local victim slot of (``row``, ``head``) among its first ``n`` slots: the newest position, then
@@ -115,8 +123,7 @@ if triton is not None:
         best_slot = tl.full([], 0, tl.int32)
         if ONE_TILE:
             ok = offs < n
-            page = tl.load(table + row * stride_table + offs // PAGE, mask=ok, other=0).to(tl.int64)
-            at = (page * KV_HEADS + head) * PAGE + offs % PAGE
+            at = _pool_rows(table + row * stride_table, offs, ok, head, KV_HEADS, PAGE)
             pos = tl.load(pos_pool + at, mask=ok, other=-1).to(tl.int64)
             value = tl.load(values + at, mask=ok, other=0.0).to(tl.float32)
             floor = tl.max(pos, axis=0) - recent
@@ -127,15 +134,13 @@ if triton is not None:
             for start in range(0, n, BLOCK):  # the row's slots only: a budget set by ratio gives a wide width
                 s = start + offs
                 ok = s < n
-                page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
-                at = (page * KV_HEADS + head) * PAGE + s % PAGE
+                at = _pool_rows(table + row * stride_table, s, ok, head, KV_HEADS, PAGE)
                 newest = tl.maximum(newest, tl.load(pos_pool + at, mask=ok, other=-1).to(tl.int64))
             floor = tl.max(newest, axis=0) - recent
             for start in range(0, n, BLOCK):
                 s = start + offs
                 ok = s < n
-                page = tl.load(table + row * stride_table + s // PAGE, mask=ok, other=0).to(tl.int64)
-                at = (page * KV_HEADS + head) * PAGE + s % PAGE
+                at = _pool_rows(table + row * stride_table, s, ok, head, KV_HEADS, PAGE)
                 pos = tl.load(pos_pool + at, mask=ok, other=-1).to(tl.int64)
                 candidate = ok & (s >= first) & ~((pos >= 0) & (pos > floor))
                 value = tl.where(candidate, tl.load(values + at, mask=ok, other=0.0).to(tl.float32), float("inf"))
@@ -160,28 +165,16 @@ if triton is not None:
             dst = tl.where(victim < count - 1, victim, -1)
         if MOVE:
             if dst >= 0:
-                tail = count - 1
-                src_page = tl.load(table + row * stride_table + tail // PAGE).to(tl.int64)
-                dst_page = tl.load(table + row * stride_table + dst // PAGE).to(tl.int64)
-                a = (src_page * KV_HEADS + head) * PAGE + tail % PAGE
-                z = (dst_page * KV_HEADS + head) * PAGE + dst % PAGE
-                e = tl.arange(0, BLOCK_E)
-                emask = e < ELEMS
-                tl.store(k_pool + z * ELEMS + e, tl.load(k_pool + a * ELEMS + e, mask=emask), mask=emask)
-                tl.store(v_pool + z * ELEMS + e, tl.load(v_pool + a * ELEMS + e, mask=emask), mask=emask)
-                tl.store(n0 + z, tl.load(n0 + a))
-                if NARROW > 1:
-                    tl.store(n1 + z, tl.load(n1 + a))
-                if NARROW > 2:
-                    tl.store(n2 + z, tl.load(n2 + a))
+                copy_slot(k_pool, v_pool, n0, n1, n2, table + row * stride_table, head, count - 1, dst, True, NARROW,
+                          KV_HEADS, PAGE, ELEMS, BLOCK_E)
         else:
             tl.store(victims + row * KV_HEADS + head, dst.to(tl.int64))
 
 
 # Widths up to ONE_TILE_MAX slots run as one tile. On the H200 at 32K x 1 (H2O's decode width at budget 2048 is 2,064)
 # one tile of 4,096 took the per-layer victim (then an op of its own) from 12.6 us (two passes of three dependent
-# 1,024-slot tiles) to 3.4 us,
-# and H2O's decode step from 5.46 to 5.23 ms of GPU time (results/profile_h2o_32k_b1_{two_pass,one_tile}.txt).
+# 1,024-slot tiles) to 3.4 us, and H2O's decode step from 5.46 to 5.23 ms of GPU time
+# (results/profile_h2o_32k_b1_{two_pass,one_tile}.txt).
 ONE_TILE_MAX = 8192
 
 

@@ -59,33 +59,41 @@ def move_slots_reference(pools: list[torch.Tensor], table: torch.Tensor, src: to
 if triton is not None:
 
     @triton.jit
+    def copy_slot(k_pool, v_pool, n0, n1, n2, table_row, head, s, d, WIDE: tl.constexpr, NARROW: tl.constexpr,
+                  kv_heads: tl.constexpr, page_size: tl.constexpr, elems: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Copy row-local slot ``s`` of one (row, ``head``) to slot ``d`` (``table_row``: the row's block-table row):
+        the page lookups once, then its K and V rows (``WIDE``: ``elems`` contiguous values each) and its value in
+        ``NARROW`` (0-3) one-value pools. Shared by ``move_slots`` and ``evict_lowest``."""
+        src_page = tl.load(table_row + s // page_size).to(tl.int64)
+        dst_page = tl.load(table_row + d // page_size).to(tl.int64)
+        a = (src_page * kv_heads + head) * page_size + s % page_size
+        z = (dst_page * kv_heads + head) * page_size + d % page_size
+        if WIDE:
+            e = tl.arange(0, BLOCK_E)
+            emask = e < elems
+            tl.store(k_pool + z * elems + e, tl.load(k_pool + a * elems + e, mask=emask), mask=emask)
+            tl.store(v_pool + z * elems + e, tl.load(v_pool + a * elems + e, mask=emask), mask=emask)
+        if NARROW > 0:
+            tl.store(n0 + z, tl.load(n0 + a))
+        if NARROW > 1:
+            tl.store(n1 + z, tl.load(n1 + a))
+        if NARROW > 2:
+            tl.store(n2 + z, tl.load(n2 + a))
+
+    @triton.jit
     def _move_slots_kernel(k_pool, v_pool, n0, n1, n2, table, src, dst, n, stride_table, WIDE: tl.constexpr,
                            NARROW: tl.constexpr, kv_heads: tl.constexpr, page_size: tl.constexpr, elems: tl.constexpr,
                            BLOCK_E: tl.constexpr):
-        """One program per (row, head): its pairs in order; each pair's page lookups once, then its K and V rows
-        (``WIDE``: ``elems`` contiguous values each) and its value in ``NARROW`` (0-3) one-value pools."""
+        """One program per (row, head): its pairs in order (:func:`copy_slot` each)."""
         row = tl.program_id(0)
         head = tl.program_id(1)
-        e = tl.arange(0, BLOCK_E)
-        emask = e < elems
         pairs = (row * kv_heads + head) * n
         for i in range(n):
             s = tl.load(src + pairs + i)
             d = tl.load(dst + pairs + i)
             if (s >= 0) & (d >= 0):
-                src_page = tl.load(table + row * stride_table + s // page_size).to(tl.int64)
-                dst_page = tl.load(table + row * stride_table + d // page_size).to(tl.int64)
-                a = (src_page * kv_heads + head) * page_size + s % page_size
-                z = (dst_page * kv_heads + head) * page_size + d % page_size
-                if WIDE:
-                    tl.store(k_pool + z * elems + e, tl.load(k_pool + a * elems + e, mask=emask), mask=emask)
-                    tl.store(v_pool + z * elems + e, tl.load(v_pool + a * elems + e, mask=emask), mask=emask)
-                if NARROW > 0:
-                    tl.store(n0 + z, tl.load(n0 + a))
-                if NARROW > 1:
-                    tl.store(n1 + z, tl.load(n1 + a))
-                if NARROW > 2:
-                    tl.store(n2 + z, tl.load(n2 + a))
+                copy_slot(k_pool, v_pool, n0, n1, n2, table + row * stride_table, head, s, d, WIDE, NARROW, kv_heads,
+                          page_size, elems, BLOCK_E)
 
 
 def move_slots_triton(pools: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -190,7 +190,7 @@ class SlotAccess:
         batch, _, n = src.shape
         both = self.global_slots(layer, rows, torch.stack([src, dst], 1)).reshape(batch, 2, H, n)  # one lookup
         g_src, g_dst = both[:, 0].clamp(min=0), both[:, 1]
-        pools = (self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values())
+        pools = self._slot_pools()
         if self.storage is not None:
             self.storage.move(layer, rows, src, dst)
             pools = pools[2:]
@@ -206,8 +206,7 @@ class SlotAccess:
         if self.storage is not None:
             self.move_slots(layer, rows, src, dst)
             return
-        move_slots_op([self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values()],
-                      self.block_table[rows, self.layer_key(layer)], src, dst)
+        move_slots_op(self._slot_pools(), self.block_table[rows, self.layer_key(layer)], src, dst)
 
     def evict_lowest(self, layer: int, rows: torch.Tensor, values: str | None, counts: torch.Tensor,
                      budget: torch.Tensor, recent: torch.Tensor, first: int, width: int) -> None:
@@ -219,8 +218,12 @@ class SlotAccess:
         if self.storage is not None:
             raise TypeError("a KIVI-stored cache does not evict during decode (h2o+kivi, streamingllm+kivi: refused)")
         which = 2 if values is None else 3 + list(self.slot_metadata).index(values)
-        evict_lowest_op([self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values()], which,
-                        self.block_table[rows, self.layer_key(layer)], counts, budget, recent, first, width)
+        evict_lowest_op(self._slot_pools(), which, self.block_table[rows, self.layer_key(layer)], counts, budget,
+                        recent, first, width)
+
+    def _slot_pools(self) -> list[torch.Tensor]:
+        """Every per-slot pool, in the order the move ops take them: ``[k, v, positions, *metadata]``."""
+        return [self.k_pool, self.v_pool, self.pos_pool, *self.slot_metadata.values()]
 
     def clear_positions(self, row: int, layer: int, count: int, first: int) -> None:
         """Empty (position -1) the slots among the first ``count`` of ``(row, layer)`` whose token is at position
