@@ -10,7 +10,11 @@ import torch
 
 from sparsecompile.kernels import dense_attention, kv_write, kv_write_reference, paged_attention
 from sparsecompile.kernels.library import triton_available
-from sparsecompile.kernels.paged_attention import paged_attention_lse_reference, paged_attention_reference
+from sparsecompile.kernels.paged_attention import (
+    paged_attention_lse_reference,
+    paged_attention_reference,
+    token_max_reference,
+)
 from sparsecompile.kernels.pool import gather_slots, view_slots, visibility
 
 NUM_PAGES, HEADS, PAGE, DIM, GROUP = 10, 2, 4, 16, 3
@@ -132,6 +136,33 @@ def test_triton_paged_attention_matches_reference(block_size, entries, queries, 
     seen = ~want_lse.isneginf()
     assert torch.equal(lse.isneginf(), ~seen)
     torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
+    if queries == 1:  # the token-max variant (OmniKV's filter layers read it), -inf past every list
+        got, token_max = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size,
+                                                1 / math.sqrt(DIM), window, with_token_max=True)
+        torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(token_max, token_max_reference(query, k, index, lengths, block_size),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_token_max_op():
+    k, v, pos = _pool(6)
+    query, index, lengths, qpos = _case(PAGE, 5, 1, seed=5)
+    args = (query, k, v, pos, index, lengths, qpos, PAGE, 1 / math.sqrt(DIM), 0)
+    torch.library.opcheck(torch.ops.sparsecompile.paged_attention_token_max.default, args)
+    out, token_max = torch.ops.sparsecompile.paged_attention_token_max(*args)
+    torch.testing.assert_close(out, paged_attention_reference(*args))
+    assert token_max.shape == (query.shape[0], HEADS, 5 * PAGE)
+    for b in range(query.shape[0]):  # independent: slot by slot, every query head of the KV head, no scale or mask
+        for h in range(HEADS):
+            for j in range(5 * PAGE):
+                if j >= lengths[b, h]:
+                    assert token_max[b, h, j] == float("-inf")
+                    continue
+                key = k[index[b, h, j // PAGE], h, j % PAGE]
+                want = max(float(query[b, h * GROUP + g, 0] @ key) for g in range(GROUP))
+                assert abs(float(token_max[b, h, j]) - want) < 1e-4
+    with pytest.raises(ValueError, match="one query per sequence"):
+        torch.ops.sparsecompile.paged_attention_token_max(query.expand(-1, -1, 2, -1).contiguous(), *args[1:])
 
 
 def test_paged_attention_lse_op():

@@ -32,6 +32,7 @@
 #   bash benchmarks/sessions/next.sh h2o_evict    # #14 evict_lowest: GPU tests, generate() h2o vs snapkv, profile  ~7 min
 #   bash benchmarks/sessions/next.sh quest_topk   # #14 topk tail / shared OmniKV slots: tests, 32K x 1 + 128K x 4  ~6 min
 #   bash benchmarks/sessions/next.sh kivi_fma     # #20 KIVI decode on the CUDA cores vs the package kernel       ~5 min
+#   bash benchmarks/sessions/next.sh omnikv_fused # #14 OmniKV's filter scores from the attention kernel: tests, 128K x 4 ~6 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -171,6 +172,22 @@ kivi_fma)  # #20: KIVI decode attention on the CUDA cores (benchmarks/sessions/k
   (cd benchmarks && timeout -s INT 500 python3 sessions/kivi_fma.py --out "$OUT" > "$OUT/kivi_fma.log" 2>&1)
   echo "rc=$?"; python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/kivi_fma_h200.jsonl')][1:]
 for r in rows: print(r['variant'], r.get('config'), r['bits'], r['batch'], r['context'], round(r.get('us', -1), 1), round(r.get('pct_of_bw', 0), 1), r.get('max_err', r.get('error')))" ;;
+token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores
+  # separately vs fused, 48 configs, ~1 min), then the omnikv_fused stage below when it wins
+  timeout 200 python3 benchmarks/sessions/token_max_ab.py > "$OUT/token_max_ab_h200.jsonl" 2> "$OUT/token_max_ab.err"
+  echo "ab rc=$?"; tail -3 "$OUT/token_max_ab.err"; python3 -c "import json
+rows = [json.loads(l) for l in open('$OUT/token_max_ab_h200.jsonl')]
+for r in rows[:3]: print(r)
+for r in sorted([r for r in rows[3:] if 'us' in r], key=lambda r: r['us'])[:8]: print(r)" ;;
+omnikv_fused)  # #14: OmniKV's filter-layer scores written by the dense attention kernel (paged_attention_token_max)
+  # instead of a second pass over the keys (omnikv_scores: 242 us a filter layer at 128K x 4): the selection GPU tests,
+  # then vanilla / omnikv at 32K x 1 and 128K x 4 (omnikv 2.26x vanilla before; target 2.5x), 128K x 4 profiled (~6 min)
+  timeout -s INT 100 $P tests/gpu/test_selection_cuda.py > "$OUT/gpu_tests_omnikv_fused.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_omnikv_fused.log" | tail -6
+  timeout -s INT 420 python3 benchmarks/decode.py --points 32768x1,131072x4 --methods vanilla,omnikv --no-hf \
+    --max-batch "" --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_omnikv_fused > "$OUT/omnikv_fused.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/omnikv_fused.log" | cut -c1-200
+  grep -h "_paged_attention_kernel\|_omnikv_scores\|mbtopk\|radixSort\|scan_innermost" "$OUT"/profile_omnikv_128k_b4.txt | cut -c1-200 ;;
 quest_profile)  # #14: quest / omnikv at 128K x 4 against vanilla (2.42x / 2.17x, targets 3.0x / 2.5x), each point
   # profiled (profile_{vanilla,quest,omnikv}_131072_b4*.txt: where quest's ~1.5 ms a step over its floor goes;
   # the last profile, from issue #5's kernels, had paged attention over the 2,048 selected tokens at 44 us a layer,

@@ -9,7 +9,7 @@ from .kivi_quant import kivi_dequantize, kivi_quantize, kivi_quantize_reference
 from .kv_write import kv_write, kv_write_reference
 from .kvzip_scores import kvzip_scores, kvzip_scores_reference
 from .omnikv_scores import omnikv_scores, omnikv_scores_reference
-from .paged_attention import paged_attention, paged_attention_lse, paged_attention_reference
+from .paged_attention import paged_attention, paged_attention_lse, paged_attention_reference, paged_attention_token_max
 from .pool import gather_slots, view_slots, visibility
 from .prefill_attention import paged_prefill_attention, prefill_attention_reference
 from .quest_scores import page_minmax_update, quest_page_scores, quest_page_scores_reference
@@ -19,7 +19,7 @@ from .topk_select import topk_select, topk_select_reference
 
 __all__ = [
     "dense_attention", "gather_slots", "kv_write", "kv_write_reference", "paged_attention", "paged_attention_lse",
-    "paged_attention_reference",
+    "paged_attention_reference", "paged_attention_token_max",
     "paged_prefill_attention", "prefill_attention_reference", "view_slots", "visibility",
     "omnikv_scores", "omnikv_scores_reference", "page_minmax_update", "quest_page_scores",
     "quest_page_scores_reference", "topk_select", "topk_select_reference",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .library import define_op
-from .pool import gather_slots, launch_inputs, used_view_slots, visibility
+from .pool import gather_slots, launch_inputs, used_view_slots, view_slots, visibility
 from .tiles import load_rows, natural_lse, query_rows, softmax_step, view_rows, visible
 
 try:
@@ -69,18 +69,19 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE, LSE,
+    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE, LSE, TOKEN_MAX,
                                 stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
                                 stride_pb, stride_ob, stride_ot, stride_oh,
-                                scale, window, num_queries,
+                                scale, window, num_queries, span,
                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                IEEE: tl.constexpr, WRITE_LSE: tl.constexpr):
+                                IEEE: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_MAX: tl.constexpr):
         """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
 
         With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
-        :func:`_combine_kernel`; otherwise the final output.
+        :func:`_combine_kernel`; otherwise the final output. ``WRITE_MAX`` (one row block, so no two programs
+        write one entry): per view position, the largest raw logit of the block's rows, ``-inf`` past the list.
         """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -99,6 +100,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        token_max = TOKEN_MAX + pid_bh.to(tl.int64) * span  # (WRITE_MAX) this list's row of the output
         for start in range(lo, hi, BLOCK_N):
             base, row_ptr, jmask = view_rows(INDEX + b * stride_ib + h * stride_ih, start, hi, h, KV_HEADS, PAGE,
                                              BLOCK, HEAD_DIM, BLOCK_N)
@@ -109,13 +111,21 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s.to(tl.float32) * scale
+            s = s.to(tl.float32)
+            if WRITE_MAX:  # raw logits, before the scale and the visibility mask (OmniKV's filter score)
+                j = start + tl.arange(0, BLOCK_N)
+                tl.store(token_max + j, tl.max(tl.where(row_ok[:, None], s, float("-inf")), 0), mask=jmask)
+            s = s * scale
             s = tl.where(jmask[None, :] & visible(kpos, qpos, window), s, float("-inf"))
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if WRITE_MAX and split == NUM_SPLITS - 1:  # the positions past the list (no split reads them)
+            for start in range(length, span, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                tl.store(token_max + j, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=j < span)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS == 1:
             tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
@@ -168,17 +178,22 @@ def _num_splits(programs: int, span: int, block_n: int, target: int) -> int:
 DECODE_LONG_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "target_programs": 264}
 DECODE_SHORT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs": 528}
 PREFILL_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "target_programs": 528}
+# Long decode work that also writes the per-slot max logit (OmniKV's filter layers): twice the splits, 2 stages. At 128K
+# x 4: 644 us against 821 with DECODE_LONG_CONFIG, and against 524 + 257 for the attention and a separate score pass
+# (results/token_max_ab_h200.jsonl, 48 configs).
+DECODE_TOKEN_MAX_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 
 
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
-                           config: dict | None = None, with_lse: bool = False):
+                           config: dict | None = None, with_lse: bool = False, with_token_max: bool = False):
     """Triton launch with the semantics of :func:`paged_attention_reference`.
 
     Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
     programs (flash-decoding) and merge the partials; larger calls tile the query rows. ``with_lse``: also return
-    each query's log-sum-exp ``[batch, q_heads, queries]`` fp32 (the merge step has it anyway).
+    each query's log-sum-exp ``[batch, q_heads, queries]`` fp32 (the merge step has it anyway). ``with_token_max``
+    (one query per sequence): also return :func:`token_max_reference`'s ``[batch, kv_heads, span]``.
     """
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
@@ -190,6 +205,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     span = index.shape[2] * block_size
     if block_m == 16:
         base = DECODE_LONG_CONFIG if batch * kv_heads * span >= 1 << 20 else DECODE_SHORT_CONFIG
+        base = DECODE_TOKEN_MAX_CONFIG if with_token_max and base is DECODE_LONG_CONFIG else base
     else:
         base = PREFILL_CONFIG
     cfg = {**base, **(config or {})}
@@ -202,14 +218,21 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         mid_o = mid_lse = out
     block_d = max(16, triton.next_power_of_2(head_dim))
     lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device) if with_lse else out
+    if with_token_max:
+        _check_one_query(query)
+        if m_blocks > 1:
+            raise ValueError(f"paged_attention_token_max supports up to 64 query heads per KV head, got {group}")
+        token_max = torch.empty(batch, kv_heads, span, dtype=torch.float32, device=query.device)
+    else:
+        token_max = out
     _paged_attention_kernel[(m_blocks, batch * kv_heads, splits)](
-        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse, lse,
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse, lse, token_max,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        float(scale), int(sliding_window), queries,
+        float(scale), int(sliding_window), queries, span,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        WRITE_LSE=with_lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WRITE_LSE=with_lse, WRITE_MAX=with_token_max, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
@@ -217,7 +240,51 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
             Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_lse,
         )
+    if with_token_max:
+        return (out, lse, token_max) if with_lse else (out, token_max)
     return (out, lse) if with_lse else out
+
+
+def _check_one_query(query: torch.Tensor) -> None:
+    if query.shape[2] != 1:
+        raise ValueError(f"paged_attention_token_max takes one query per sequence (decode), got {query.shape[2]}")
+
+
+def token_max_reference(query: torch.Tensor, k_pool: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    """Per view position, the largest raw logit ``q_h . k`` (no scale, no visibility mask) over the query heads of
+    the position's KV head, for one decode query per sequence: ``query [batch, q_heads, 1, head_dim]`` ->
+    ``[batch, kv_heads, entries * block_size]`` fp32, ``-inf`` at positions past ``lengths``."""
+    _check_one_query(query)
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = k_pool.shape[1]
+    slots, valid = view_slots(index, lengths, block_size)
+    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, span, head_dim]
+    q = query[:, :, 0].float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    logits = torch.einsum("bhgd,bhsd->bhgs", q, keys).amax(2)
+    return torch.where(valid, logits, torch.full_like(logits, float("-inf")))
+
+
+def paged_attention_token_max_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size,
+                                        scale, sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_reference` plus :func:`token_max_reference`."""
+    _check_one_query(query)
+    out = paged_attention_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                    sliding_window)
+    return out, token_max_reference(query, k_pool, index, lengths, block_size)
+
+
+def _triton_token_max(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                      sliding_window):
+    return paged_attention_triton(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                  sliding_window, with_token_max=True)
+
+
+def _fake_token_max(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    _check_one_query(query)
+    batch, q_heads, queries, head_dim = query.shape
+    return (query.new_empty(batch, queries, q_heads, head_dim),
+            query.new_empty(batch, k_pool.shape[1], index.shape[2] * block_size, dtype=torch.float32))
 
 
 def paged_attention_lse_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
@@ -262,4 +329,15 @@ paged_attention_lse = define_op(
     cpu=paged_attention_lse_reference,
     cuda=_triton_lse if triton is not None else None,
     fake=_fake_lse,
+)
+
+#: The same attention for one decode query per sequence, also returning per view position the largest raw logit
+#: over each KV head's query heads (OmniKV's filter layers score their prompt with it, without a second key pass).
+paged_attention_token_max = define_op(
+    "paged_attention_token_max(Tensor query, Tensor k_pool, Tensor v_pool, Tensor pos_pool, Tensor index, "
+    "Tensor lengths, Tensor q_positions, int block_size, float scale, int sliding_window) -> "
+    "(Tensor out, Tensor token_max)",
+    cpu=paged_attention_token_max_reference,
+    cuda=_triton_token_max if triton is not None else None,
+    fake=_fake_token_max,
 )

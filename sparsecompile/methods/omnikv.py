@@ -12,11 +12,12 @@ Layer roles
 
 Selection (decode only; prefill is dense everywhere)
     At a filter layer, ``score_j = max over query heads of q_h . k_j`` (raw logits, the current decode
-    query) over the *prompt* slots of the row; the top ``budget`` (or ``ceil(ratio * prompt)``) slots,
-    ascending, are kept in the runtime's state for the rest of the step. A sparse layer reads those
-    slots followed by every slot written since the prompt (decode tokens, always read). Like the
-    reference, one set is shared by all heads and all sparse layers of the group; unlike its batch-1
-    code, each sequence of the batch has its own set. The prompt is everything processed by prefill
+    query) over the *prompt* slots of the row, written by the layer's own dense attention kernel beside its
+    output (``paged_attention_token_max``: one pass over the keys, not two); the top ``budget`` (or
+    ``ceil(ratio * prompt)``) slots, ascending, are kept in the runtime's state for the rest of the step.
+    A sparse layer reads those slots followed by every slot written since the prompt (decode tokens,
+    always read). Like the reference, one set is shared by all heads and all sparse layers of the group;
+    unlike its batch-1 code, each sequence of the batch has its own set. The prompt is everything processed by prefill
     forwards, so a continuation's new prompt tokens become candidates. Sliding-window layers stay dense.
     Under tensor parallelism the max runs over every rank's query heads (an all-reduce), so all ranks
     select the same set.
@@ -205,6 +206,9 @@ class OmniKVRuntime(SparseMethod):
         H = m.layout.num_kv_heads
         return SlotSelection(slots[:, None, :].expand(-1, H, -1), (count + decoded)[:, None].expand(-1, H))
 
+    def wants_token_max(self, ctx: LayerContext) -> bool:
+        return ctx.layer in self.filter_layers
+
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
         self.reads.record(ctx)
 
@@ -216,9 +220,12 @@ class OmniKVRuntime(SparseMethod):
     def _observe(self, ctx: LayerContext) -> None:
         """Score the row's prompt slots with this layer's decode query and store the top set for later layers."""
         m, rows = ctx.manager, ctx.step.rows
-        table = m.block_table[rows, m.layer_key(ctx.layer)]  # [batch, max_pages]
         prompt = self.prompt[rows]
-        scores = omnikv_scores(ctx.query[:, :, -1, :], m.k_pool, table, prompt)  # [batch, capacity]
+        if ctx.token_max is not None:  # the filter layer's dense attention wrote each slot's logits, max per KV head
+            scores = _prompt_scores(ctx.token_max, prompt, m.slot_capacity)
+        else:  # an attention path that does not write it (KIVI's, refused for omnikv today): read the keys again
+            table = m.block_table[rows, m.layer_key(ctx.layer)]  # [batch, max_pages]
+            scores = omnikv_scores(ctx.query[:, :, -1, :], m.k_pool, table, prompt)  # [batch, capacity]
         # The max over query heads spans every rank's heads under tensor parallelism: one set on all ranks.
         scores = self.model.tp.all_reduce(scores, "max")
         if self.token_budget is None:
@@ -233,3 +240,13 @@ class OmniKVRuntime(SparseMethod):
     # ---- statistics
     def tokens_read(self, manager: CacheManager, rows: list[int]) -> dict[int, int] | None:
         return self.reads.collect(rows)
+
+
+def _prompt_scores(token_max: torch.Tensor, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``token_max [batch, kv_heads, positions]`` of a dense view (position = row-local slot) -> ``[batch,
+    capacity]`` scores as ``omnikv_scores`` gives them: the max over every query head, ``-inf`` past the prompt."""
+    scores = token_max.amax(1)
+    if scores.shape[1] != capacity:  # an eager forward's view stops at the used pages
+        scores = torch.nn.functional.pad(scores, (0, capacity - scores.shape[1]), value=float("-inf"))
+    candidate = torch.arange(capacity, device=scores.device)[None, :] < prompt[:, None]
+    return torch.where(candidate, scores, torch.full_like(scores, float("-inf")))

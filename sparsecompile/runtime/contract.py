@@ -64,6 +64,9 @@ class LayerContext:
         view: the AttentionView read by this layer (set before ``on_attention_end``).
         lse: ``[batch, q_heads, tokens]`` fp32 log-sum-exp of each query's scaled logits over the view, for
             scoring without a second normaliser pass (set when the method declares ``uses_*_lse``).
+        token_max: decode only, when :meth:`SparseMethod.wants_token_max` says so for the layer:
+            ``[batch, kv_heads, view positions]`` fp32, per view position the largest raw logit ``q . k`` over the
+            KV head's query heads, ``-inf`` past the view's lengths (the attention kernel's by-product).
     """
 
     layer: int
@@ -77,6 +80,7 @@ class LayerContext:
     sliding_window: int
     view: AttentionView | None = None
     lse: torch.Tensor | None = None
+    token_max: torch.Tensor | None = None
 
 
 class Scorer(Protocol):
@@ -180,6 +184,11 @@ class SparseMethod:
 
     def build_decode_selection(self, ctx: LayerContext) -> Selection:
         return None
+
+    def wants_token_max(self, ctx: LayerContext) -> bool:
+        """Decode, after the selection: this layer's hooks read ``ctx.token_max`` (a static per-layer answer; the
+        attention kernel writes it beside its output, instead of the method reading the keys a second time)."""
+        return False
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
         """``out [batch, tokens, q_heads, head_dim]``: this layer's attention output."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..kernels import paged_attention, paged_attention_lse, paged_prefill_attention
+from ..kernels import paged_attention, paged_attention_lse, paged_attention_token_max, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import compile_notice, compile_step, static_address
@@ -172,6 +172,10 @@ class SparseController(RowOperations, MixedForward):
             ctx.lse = lse if rt.uses_prefill_lse else None
         elif view.quant is not None:  # quantized storage read in place (KIVI pages + residual)
             out = view.quant.decode_attention(query, view, step.positions, scale, sliding_window)
+        elif rt.wants_token_max(ctx):
+            out, ctx.token_max = paged_attention_token_max(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
+                                                           view.lengths, step.positions, view.block_size, scale,
+                                                           sliding_window)
         elif rt.uses_decode_lse:
             out, ctx.lse = paged_attention_lse(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
                                                view.lengths, step.positions, view.block_size, scale, sliding_window)

@@ -27,8 +27,29 @@ def test_quest_and_omnikv_scores_triton_vs_reference(dtype):
     torch.testing.assert_close(quest_page_scores_triton(query, kmin, kmax, pages, num), want, atol=1e-2, rtol=1e-3)
     k_pool = torch.randn(pool, heads, page, dim, device="cuda", generator=g).to(dtype)
     limit = torch.tensor([8000, 4000, 5], device="cuda")
-    torch.testing.assert_close(omnikv_scores_triton(query, k_pool, pages, limit),
-                               omnikv_scores_reference(query, k_pool, pages, limit), atol=1e-2, rtol=1e-3)
+    want = omnikv_scores_reference(query, k_pool, pages, limit)
+    torch.testing.assert_close(omnikv_scores_triton(query, k_pool, pages, limit), want, atol=1e-2, rtol=1e-3)
+    # The filter layers' fused form: the dense attention's per-slot max, reduced over KV heads, masked at the prompt
+    # (OmniKV's _prompt_scores), at decode sizes with several splits per list. Tolerance as above.
+    from sparsecompile.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+    from sparsecompile.methods.omnikv import _prompt_scores
+
+    capacity = max_pages * page
+    lengths = torch.tensor([8100, 4100, 40], device="cuda", dtype=torch.int32)[:, None].expand(-1, heads).contiguous()
+    index = pages[:, None, :].expand(-1, heads, -1)
+    pos_pool = torch.zeros(pool, heads, page, device="cuda", dtype=torch.int32)  # every slot visible
+    v_pool = torch.randn_like(k_pool)
+    qpos = torch.full((batch, 1), capacity, device="cuda")
+    q4 = query[:, :, None, :]
+    out, token_max = paged_attention_triton(q4, k_pool, v_pool, pos_pool, index, lengths, qpos, page, dim ** -0.5, 0,
+                                            with_token_max=True)
+    torch.testing.assert_close(_prompt_scores(token_max, limit.clamp(max=lengths[:, 0]), capacity),
+                               omnikv_scores_reference(query, k_pool, pages, limit.clamp(max=lengths[:, 0])),
+                               atol=1e-2, rtol=1e-3)
+    assert token_max[2, :, 40:].isneginf().all()  # past the list
+    torch.testing.assert_close(out.float(), paged_attention_reference(q4, k_pool, v_pool, pos_pool, index, lengths,
+                                                                      qpos, page, dim ** -0.5, 0).float(),
+                               atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("radix_bits", [1, 8])
