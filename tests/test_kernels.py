@@ -144,13 +144,21 @@ def test_triton_paged_attention_matches_reference(block_size, entries, queries, 
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_paged_attention_token_max_op():
-    k, v, pos = _pool(6)
-    query, index, lengths, qpos = _case(PAGE, 5, 1, seed=5)
+def _opchecked_attention(op, seed: int) -> tuple[tuple, torch.Tensor]:
+    """``op`` (an attention op with a second output) opcheck'd on a one-query paged case, its attention output
+    checked against the reference: returns the arguments and the second output."""
+    k, v, pos = _pool(seed + 1)
+    query, index, lengths, qpos = _case(PAGE, 5, 1, seed=seed)
     args = (query, k, v, pos, index, lengths, qpos, PAGE, 1 / math.sqrt(DIM), 0)
-    torch.library.opcheck(torch.ops.sparsecompile.paged_attention_token_max.default, args)
-    out, token_max = torch.ops.sparsecompile.paged_attention_token_max(*args)
+    torch.library.opcheck(op.default, args)
+    out, extra = op(*args)
     torch.testing.assert_close(out, paged_attention_reference(*args))
+    return args, extra
+
+
+def test_paged_attention_token_max_op():
+    args, token_max = _opchecked_attention(torch.ops.sparsecompile.paged_attention_token_max, seed=5)
+    query, k, index, lengths = args[0], args[1], args[4], args[5]
     assert token_max.shape == (query.shape[0], HEADS, 5 * PAGE)
     for b in range(query.shape[0]):  # independent: slot by slot, every query head of the KV head, no scale or mask
         for h in range(HEADS):
@@ -166,12 +174,8 @@ def test_paged_attention_token_max_op():
 
 
 def test_paged_attention_lse_op():
-    k, v, pos = _pool(5)
-    query, index, lengths, qpos = _case(PAGE, 5, 1, seed=4)
-    args = (query, k, v, pos, index, lengths, qpos, PAGE, 1 / math.sqrt(DIM), 0)
-    torch.library.opcheck(torch.ops.sparsecompile.paged_attention_lse.default, args)
-    out, lse = torch.ops.sparsecompile.paged_attention_lse(*args)
-    torch.testing.assert_close(out, paged_attention_reference(*args))
+    args, lse = _opchecked_attention(torch.ops.sparsecompile.paged_attention_lse, seed=4)
+    query, k, pos, index, lengths, qpos = args[0], args[1], args[3], args[4], args[5], args[6]
     slots, valid = view_slots(index, lengths, PAGE)  # independent: the logits of every visible slot, logsumexp'd
     keys = gather_slots(k, slots).float()  # [batch, kv_heads, slots, dim]
     visible = visibility(gather_slots(pos, slots), valid, qpos, 0)[:, :, 0]  # [batch, kv_heads, slots]

@@ -45,10 +45,15 @@
 # 2026-12-02 sixth session: h2o_victim (the two-pass lowest_slot: no gain), quest_profile, mass_decode (-> MASS_DECODE_CONFIG),
 # h2o_profile (lowest_slot 12.6 us a layer), h2o_victim2 (one tile: h2o 0.980x snapkv through generate()), quest
 # (topk tail + shared OmniKV slots: 128K x 4 only, no tests, no profile; the GPU time ran out).
+# 2026-12-02 seventh session: h2o_evict (30 GPU tests passed; h2o 0.921x snapkv through generate(), first call 49.0 s),
+# quest_topk (36 passed; quest 2.47x, omnikv 2.26x at 128K x 4), kivi_fma (3-4.9x slower: not adopted), token_max_ab
+# (fused OmniKV scores: 644 us with twice the splits vs 524 + 257 separate -> DECODE_TOKEN_MAX_CONFIG), omnikv_fused
+# (10 passed; omnikv 2.33x), user_path generate/engine for vanilla, quest, omnikv, streamingllm, pyramidkv at 32K x 1
+# (0.970-0.987). One start was refused (121 s of the budget).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# `h2o_evict` (#14: the evict_lowest op, unrun on the GPU), `quest_topk` (its GPU tests and profile), `kivi_fma` (#20:
-# the CUDA-core KIVI decode experiment), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `profile`
-# METHODS=quest (#14 first call with its compile phases).
+# the user path at the other points (h2o vs snapkv and generate/engine at 32K x 16, 128K x 1, 128K x 4: one method
+# pair a call, compiles dominate), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `verify` +
+# `verify_b` (every GPU test after this session's controller change).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
 # STAGES=export,first-token,decode quest after the table-width fix (100.9 %, load to first token 5.43 s), ops;
