@@ -33,6 +33,7 @@
 #   bash benchmarks/sessions/next.sh quest_topk   # #14 topk tail / shared OmniKV slots: tests, 32K x 1 + 128K x 4  ~6 min
 #   bash benchmarks/sessions/next.sh kivi_fma     # #20 KIVI decode on the CUDA cores vs the package kernel       ~5 min
 #   bash benchmarks/sessions/next.sh omnikv_fused # #14 OmniKV's filter scores from the attention kernel: tests, 128K x 4 ~6 min
+#   POINT=131072x4 METHODS=snapkv,h2o bash benchmarks/sessions/next.sh user_points  # #14 generate() at one point ~6-8 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -51,8 +52,8 @@
 # (10 passed; omnikv 2.33x), user_path generate/engine for vanilla, quest, omnikv, streamingllm, pyramidkv at 32K x 1
 # (0.970-0.987). One start was refused (121 s of the budget).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
-# the user path at the other points (h2o vs snapkv and generate/engine at 32K x 16, 128K x 1, 128K x 4: one method
-# pair a call, compiles dominate), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `verify` +
+# `user_points` at 32K x 16, 128K x 1, 128K x 4 (h2o vs snapkv and generate/engine: one point a call, compiles
+# dominate), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `verify` +
 # `verify_b` (every GPU test after this session's controller change).
 # (Ran 2026-12-01 night: export_tests twice (all 7 methods equal in fp32), export_point snapkv and quest;
 # 2026-12-02: export_tests (9 passed, shipped kernels), export_point quest (95.8 %), then WIDTH=1
@@ -177,6 +178,13 @@ kivi_fma)  # #20: KIVI decode attention on the CUDA cores (benchmarks/sessions/k
   (cd benchmarks && timeout -s INT 500 python3 sessions/kivi_fma.py --out "$OUT" > "$OUT/kivi_fma.log" 2>&1)
   echo "rc=$?"; python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/kivi_fma_h200.jsonl')][1:]
 for r in rows: print(r['variant'], r.get('config'), r['bits'], r['batch'], r['context'], round(r.get('us', -1), 1), round(r.get('pct_of_bw', 0), 1), r.get('max_err', r.get('error')))" ;;
+user_points)  # #14 at the points not measured through generate() yet (32K x 16, 128K x 1, 128K x 4): h2o vs snapkv
+  # (target 0.9x) and each method's generate/engine ratio (target 0.95); one POINT a call, METHODS a pair (~6-8 min:
+  # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
+  # time one generate() pair)
+  timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
+    --new-tokens 129 --out "$OUT" --tag _h200_points_${POINT:-32768x16} > "$OUT/user_points.log" 2>&1
+  echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores
   # separately vs fused, 48 configs, ~1 min), then the omnikv_fused stage below when it wins
   timeout 200 python3 benchmarks/sessions/token_max_ab.py > "$OUT/token_max_ab_h200.jsonl" 2> "$OUT/token_max_ab.err"
