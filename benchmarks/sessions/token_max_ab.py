@@ -60,7 +60,7 @@ def main() -> None:
             fn = functools.partial(paged_attention_triton, query, k_pool, v_pool, pos_pool, index, lengths, qpos,
                                    page, scale, 0, config=config, with_token_max=True)
             _, token_max = fn()
-            err = (_prompt_scores(token_max, prompt, pages * page)[:, : args.context - 64]
+            err = (_prompt_scores(token_max, prompt)[:, : args.context - 64]
                    - want[:, : args.context - 64]).abs().max().item()
             ms = triton.testing.do_bench(fn, warmup=30, rep=200)
             plain = triton.testing.do_bench(functools.partial(

@@ -17,10 +17,10 @@ Selection (decode only; prefill is dense everywhere)
     ``ceil(ratio * prompt)``) slots, ascending, are kept in the runtime's state for the rest of the step.
     A sparse layer reads those slots followed by every slot written since the prompt (decode tokens,
     always read). Like the reference, one set is shared by all heads and all sparse layers of the group;
-    unlike its batch-1 code, each sequence of the batch has its own set. The prompt is everything processed by prefill
-    forwards, so a continuation's new prompt tokens become candidates. Sliding-window layers stay dense.
-    Under tensor parallelism the max runs over every rank's query heads (an all-reduce), so all ranks
-    select the same set.
+    unlike its batch-1 code, each sequence of the batch has its own set. The prompt is everything
+    processed by prefill forwards, so a continuation's new prompt tokens become candidates.
+    Sliding-window layers stay dense. Under tensor parallelism the max runs over every rank's query
+    heads (an all-reduce), so all ranks select the same set.
 
 State (device tensors owned by the runtime, static per row count, mutated in place in decode):
     ``prompt [max_seqs]`` prompt slots of each row (set by the host in prefill), ``selected [max_seqs, width]``
@@ -222,7 +222,7 @@ class OmniKVRuntime(SparseMethod):
         m, rows = ctx.manager, ctx.step.rows
         prompt = self.prompt[rows]
         if ctx.token_max is not None:  # the filter layer's dense attention wrote each slot's logits, max per KV head
-            scores = _prompt_scores(ctx.token_max, prompt, m.slot_capacity)
+            scores = _prompt_scores(ctx.token_max, prompt)
         else:  # an attention path that does not write it (KIVI's, refused for omnikv today): read the keys again
             table = m.block_table[rows, m.layer_key(ctx.layer)]  # [batch, max_pages]
             scores = omnikv_scores(ctx.query[:, :, -1, :], m.k_pool, table, prompt)  # [batch, capacity]
@@ -242,11 +242,10 @@ class OmniKVRuntime(SparseMethod):
         return self.reads.collect(rows)
 
 
-def _prompt_scores(token_max: torch.Tensor, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``token_max [batch, kv_heads, positions]`` of a dense view (position = row-local slot) -> ``[batch,
-    capacity]`` scores as ``omnikv_scores`` gives them: the max over every query head, ``-inf`` past the prompt."""
+def _prompt_scores(token_max: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """``token_max [batch, kv_heads, capacity]`` of a dense view (its entries are the whole block-table row, so
+    position = row-local slot) -> ``[batch, capacity]`` scores as ``omnikv_scores`` gives them: the max over every
+    query head, ``-inf`` past the prompt."""
     scores = token_max.amax(1)
-    if scores.shape[1] != capacity:  # an eager forward's view stops at the used pages
-        scores = torch.nn.functional.pad(scores, (0, capacity - scores.shape[1]), value=float("-inf"))
-    candidate = torch.arange(capacity, device=scores.device)[None, :] < prompt[:, None]
+    candidate = torch.arange(scores.shape[1], device=scores.device)[None, :] < prompt[:, None]
     return torch.where(candidate, scores, torch.full_like(scores, float("-inf")))

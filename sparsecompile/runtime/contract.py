@@ -187,7 +187,8 @@ class SparseMethod:
 
     def wants_token_max(self, ctx: LayerContext) -> bool:
         """Decode, after the selection: this layer's hooks read ``ctx.token_max`` (a static per-layer answer; the
-        attention kernel writes it beside its output, instead of the method reading the keys a second time)."""
+        attention kernel writes it beside its output, instead of the method reading the keys a second time). Such a
+        layer gets no decode ``ctx.lse``: a method needs one or the other."""
         return False
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
