@@ -27,10 +27,10 @@ from kivi_kernels import kivi_rows  # noqa: E402
 from mass_kernels import mass_decode_rows, mass_rows  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
-from sparsecompile.kernels.kv_write import kv_write_triton  # noqa: E402
+from sparsecompile.kernels.kv_write import kv_write_bounds_triton, kv_write_triton  # noqa: E402
 from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
-from sparsecompile.kernels.quest_scores import page_minmax_update_triton, quest_page_scores_triton  # noqa: E402
+from sparsecompile.kernels.quest_scores import quest_page_scores_triton  # noqa: E402
 from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
 from sparsecompile.runtime.row_ops import table_width  # noqa: E402
 
@@ -95,10 +95,6 @@ def op_rows(copies: int = 3) -> list[dict]:
         sets.append((q, kmin, kmax, table, torch.full((batch,), context // PAGE, device="cuda")))
     rows.append(_op_row("quest_page_scores", sets, quest_page_scores_triton,
                         batch * (context // PAGE) * KV_HEADS * DIM * 2 * 2 / 1e6, batch=batch, context=context))
-    key = torch.randn(batch, KV_HEADS, 1, DIM, device="cuda", dtype=bf16)
-    slots = torch.tensor([[5], [PAGE * 9], [-1], [77]], device="cuda")
-    rows.append(_op_row("page_minmax_update (decode)", [(sets[0][1], sets[0][2], key, slots, PAGE)],
-                        page_minmax_update_triton, 0.0, batch=batch))
     del sets
     for shape, k in (((batch, KV_HEADS, pages), 2048 // PAGE), ((batch, 1, context + 164), 2048)):
         sets = [(torch.randn(*shape, device="cuda"), torch.full(shape[:2], k, device="cuda")) for _ in range(copies)]
@@ -123,6 +119,9 @@ def op_rows(copies: int = 3) -> list[dict]:
     slot = torch.randperm(k_pool.shape[0] * PAGE, device="cuda")[:big].view(big, 1)
     rows.append(_op_row("kv_write (decode)", [(k_pool, v_pool, pos_pool, key, value, slot, slot.clone())],
                         kv_write_triton, 0.0, batch=big))
+    bounds = [torch.randn(k_pool.shape[0] + 1, KV_HEADS, DIM, device="cuda", dtype=bf16) for _ in range(2)]
+    rows.append(_op_row("kv_write_bounds (decode)", [(k_pool, v_pool, pos_pool, *bounds, key, value, slot,
+                                                      slot.clone())], kv_write_bounds_triton, 0.0, batch=big))
     del sets
     torch.cuda.empty_cache()
     return rows

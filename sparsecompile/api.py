@@ -97,7 +97,8 @@ def warmup(model: nn.Module, batch_sizes: tuple[int, ...] | list[int] = (1,), pr
     prompts of ``prompt_len`` tokens and ``max_new_tokens`` new ones; returns seconds per batch size.
 
     Later ``generate()`` calls of that geometry in this process reuse the graphs; other processes find them in the
-    on-disk compile cache (``EngineConfig.compile_cache``). ``sparsecompile warmup`` runs this from the shell.
+    on-disk compile cache (``EngineConfig.compile_cache``). ``sparsecompile warmup`` runs this from the shell. A
+    method with several decode variants (Quest's dense read of short batches) gets each variant's graph.
 
     ``programs``: also export each batch size's decode step and compile it into an AOTInductor package in the cache
     (``serving/decode_programs.py``; minutes on an 8B model): a later process's ``optimize()`` + ``generate()`` of
@@ -111,18 +112,21 @@ def warmup(model: nn.Module, batch_sizes: tuple[int, ...] | list[int] = (1,), pr
         raise ValueError("this model's decode step is not compiled (compile=False, or not on CUDA): nothing to warm up")
     device = next(model.parameters()).device
     seconds = {}
+    controller = patched.controller
     for batch in batch_sizes:
         ids = torch.zeros(batch, prompt_len, dtype=torch.long, device=device)
-        cache = SparseCache(patched.controller, expected_new_tokens=max_new_tokens)  # the pool generate() would size
         start = time.perf_counter()
-        try:
-            model.generate(ids, attention_mask=torch.ones_like(ids), **{patched.cache_name: cache}, max_new_tokens=3,
-                           min_new_tokens=3, do_sample=False, pad_token_id=0)
-            if programs:  # at the geometry the generate() left (its pool is still held)
-                from .serving.decode_programs import build
+        for variant in controller.runtime.decode_variants:
+            cache = SparseCache(controller, expected_new_tokens=max_new_tokens)  # the pool generate() would size
+            try:
+                with controller.forced_variant(variant):
+                    model.generate(ids, attention_mask=torch.ones_like(ids), **{patched.cache_name: cache},
+                                   max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+                if programs:
+                    from .serving.decode_programs import build  # at the geometry the generate() left (pool held)
 
-                build(model, batch)
-        finally:
-            cache.release()
+                    build(model, batch, variant)
+            finally:
+                cache.release()
         seconds[batch] = time.perf_counter() - start
     return seconds

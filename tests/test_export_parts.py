@@ -95,7 +95,7 @@ def _twins(method: str, **options):
     return models, patched
 
 
-@pytest.mark.parametrize("method,options", [("h2o", {"budget": 12}), ("quest", {"budget": 8}),
+@pytest.mark.parametrize("method,options", [("h2o", {"budget": 12}), ("quest", {"budget": 8, "dense_below": 0}),
                                             ("omnikv", {"budget": 6})])
 def test_exported_programs_step_like_the_eager_engine(method, options):
     """Twin engines: one eager, one running the exported programs (prefill with attention called back, decode
@@ -147,7 +147,7 @@ def test_a_loaded_artifact_binds_the_buffers_its_method_creates_in_the_first_ste
     a selecting budget."""
     from tiny_models import word_tokenizer
 
-    method, options = "quest", {"budget": 24, "dense_layers": 1}
+    method, options = "quest", {"budget": 24, "dense_layers": 1, "dense_below": 0}
     _, model = tiny_pair("llama")
     engine = dict(max_num_seqs=4, max_model_len=128, page_size=4, prefill_chunk_size=32, **options)
     path = sparsecompile.export(model, tmp_path / method, method, tokenizer=word_tokenizer(96), form="exported",

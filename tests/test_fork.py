@@ -15,7 +15,7 @@ GREEDY = dict(do_sample=False, max_new_tokens=6, pad_token_id=0)
 # budgets below the context so the eviction methods really evict (context 40 tokens)
 COMPRESSING = {
     "vanilla": {},
-    "quest": {"budget": 16, "dense_layers": 0, "page_size": 8},
+    "quest": {"budget": 16, "dense_layers": 0, "page_size": 8, "dense_below": 0},
     "omnikv": {"budget": 12, "filter_layers": "0"},
     "streamingllm": {"budget": 20, "sinks": 2},
     "snapkv": {"budget": 20, "window": 4},

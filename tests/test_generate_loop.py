@@ -75,7 +75,8 @@ def test_streamer_sees_what_transformers_streams_and_eos_stops_exactly():
 
 
 @pytest.mark.parametrize("method,options", [("vanilla", {}),
-                                            ("quest", {"budget": 8, "dense_layers": 0, "page_size": 4}),
+                                            ("quest", {"budget": 8, "dense_layers": 0, "page_size": 4,
+                                                       "dense_below": 0}),
                                             ("snapkv", {"budget": 12, "window": 4}), ("h2o", {"budget": 12})])
 def test_returned_cache_is_exactly_the_one_transformers_loop_leaves(method, options):
     """Stopping late and undoing the extra steps (or, for eviction methods, checking every step) leaves the same

@@ -120,17 +120,27 @@ def test_opcheck_selection_ops():
                           (torch.randn(2, HEADS * GROUP, DIM), k_pool, pages, torch.tensor([5, 8])))
     torch.library.opcheck(torch.ops.sparsecompile.topk_select.default,
                           (torch.randn(2, 3, 10), torch.tensor([[1, 2, 3], [0, 10, 4]]), 6))
-    torch.library.opcheck(torch.ops.sparsecompile.page_minmax_update.default,
-                          (torch.randn(POOL + 1, HEADS, DIM), torch.randn(POOL + 1, HEADS, DIM),
-                           torch.randn(2, HEADS, 3, DIM), torch.tensor([[0, 1, -1], [PAGE * 2, -1, -1]]), PAGE))
+    pools = [torch.randn(POOL + 1, HEADS, PAGE, DIM), torch.randn(POOL + 1, HEADS, PAGE, DIM),
+             torch.zeros(POOL + 1, HEADS, PAGE, dtype=torch.int32)]
+    for tokens, slots in ((3, [[0, 1, -1], [PAGE * 2, -1, -1]]), (1, [[PAGE + 3], [-1]])):
+        torch.library.opcheck(torch.ops.sparsecompile.kv_write_bounds.default,
+                              (*pools, torch.randn(POOL + 1, HEADS, DIM), torch.randn(POOL + 1, HEADS, DIM),
+                               torch.randn(2, HEADS, tokens, DIM), torch.randn(2, HEADS, tokens, DIM),
+                               torch.tensor(slots), torch.arange(2 * tokens).view(2, tokens)))
 
 
-def test_page_minmax_update_resets_first_slots_and_folds_the_rest():
-    from sparsecompile.kernels.quest_scores import page_minmax_update
+def test_kv_write_bounds_resets_first_slots_and_folds_the_rest():
+    from sparsecompile.kernels import kv_write_bounds, kv_write_reference
 
+    pools = [torch.zeros(POOL + 1, HEADS, PAGE, DIM), torch.zeros(POOL + 1, HEADS, PAGE, DIM),
+             torch.zeros(POOL + 1, HEADS, PAGE, dtype=torch.int32)]
+    want = [t.clone() for t in pools]
     kmin, kmax = torch.zeros(POOL + 1, HEADS, DIM), torch.zeros(POOL + 1, HEADS, DIM)
-    key = torch.randn(1, HEADS, 3, DIM)
-    page_minmax_update(kmin, kmax, key, torch.tensor([[PAGE * 2, PAGE * 2 + 1, -1]]), PAGE)
+    key, value = torch.randn(1, HEADS, 3, DIM), torch.randn(1, HEADS, 3, DIM)
+    slots, positions = torch.tensor([[PAGE * 2, PAGE * 2 + 1, -1]]), torch.tensor([[4, 5, 6]])
+    kv_write_bounds(*pools, kmin, kmax, key, value, slots, positions)
+    kv_write_reference(*want, key, value, slots, positions)
+    assert all(torch.equal(a, b) for a, b in zip(pools, want))  # the write itself is kv_write's
     assert torch.equal(kmin[2], torch.minimum(key[0, :, 0], key[0, :, 1]))  # the stale zeros were reset
     assert torch.equal(kmax[2], torch.maximum(key[0, :, 0], key[0, :, 1]))
     assert torch.equal(kmin[:2], torch.zeros(2, HEADS, DIM)) and torch.equal(kmin[3:POOL], torch.zeros(POOL - 3, HEADS,
@@ -206,24 +216,31 @@ def test_long_row_topk_select_matches_reference(n, k):
 
 
 @triton_only
-@pytest.mark.parametrize("kv_heads", [2, 3])
-def test_triton_decode_page_minmax_update_matches_reference(kv_heads):
-    """One key per sequence: a page's first slot resets its summary, later slots fold in, padding (-1) only
-    touches the trash page; a non-power-of-two head count is masked."""
-    from sparsecompile.kernels.quest_scores import page_minmax_update_reference, page_minmax_update_triton
+@pytest.mark.parametrize("kv_heads,tokens", [(2, 1), (3, 1), (2, 3)])
+def test_triton_kv_write_bounds_matches_reference(kv_heads, tokens):
+    """One key per sequence (the fused decode kernel): a page's first slot resets its bounds, later slots fold in,
+    padding (-1) writes nothing; a non-power-of-two head count is masked. Several (prefill): the torch update."""
+    from sparsecompile.kernels.kv_write import kv_write_bounds_reference, kv_write_bounds_triton
 
     g = torch.Generator().manual_seed(kv_heads)
+    pools = [torch.randn(POOL + 1, kv_heads, PAGE, DIM, generator=g), torch.randn(POOL + 1, kv_heads, PAGE, DIM,
+                                                                                 generator=g),
+             torch.zeros(POOL + 1, kv_heads, PAGE, dtype=torch.int32)]
     kmin = torch.randn(POOL + 1, kv_heads, DIM, generator=g)
     kmax = kmin + torch.rand(POOL + 1, kv_heads, DIM, generator=g)
-    key = torch.randn(4, kv_heads, 1, DIM, generator=g)
-    slots = torch.tensor([[PAGE * 3], [PAGE * 5 + 2], [-1], [PAGE * 7 + PAGE - 1]])
-    want_min, want_max = kmin.clone(), kmax.clone()
-    page_minmax_update_reference(want_min, want_max, key, slots, PAGE)
-    got_min, got_max = kmin.to(DEVICE), kmax.to(DEVICE)
-    page_minmax_update_triton(got_min, got_max, key.to(DEVICE), slots.to(DEVICE), PAGE)
+    key = torch.randn(4, kv_heads, tokens, DIM, generator=g)
+    value = torch.randn(4, kv_heads, tokens, DIM, generator=g)
+    first = torch.tensor([[PAGE * 3], [PAGE * 5 + 2], [-1], [PAGE * 7 + PAGE - 1]])
+    slots = torch.where(first >= 0, first + torch.arange(tokens) * PAGE, -1)  # a page per token: no order to keep
+    positions = torch.arange(4 * tokens).view(4, tokens)
+    want = [t.clone() for t in (*pools, kmin, kmax)]
+    kv_write_bounds_reference(*want, key, value, slots, positions)
+    got = [t.to(DEVICE) for t in (*pools, kmin, kmax)]
+    kv_write_bounds_triton(*got, key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE))
     real = torch.arange(POOL)  # the trash page (last) holds whatever padding left there
-    assert torch.equal(got_min.cpu()[real], want_min[real]) and torch.equal(got_max.cpu()[real], want_max[real])
-    assert torch.equal(got_min.cpu()[3], key[0, :, 0])  # reset, not folded into the stale summary
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu()[real], b[real])
+    assert torch.equal(got[3].cpu()[3], key[0, :, 0])  # reset, not folded into the stale bounds
 
 
 @triton_only

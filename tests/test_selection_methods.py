@@ -36,7 +36,8 @@ def _cache(out):
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_budget_covering_everything_equals_unpatched_model(model_type):
     """Budget >= sequence length: every architecture (sliding windows included) gives the unpatched tokens."""
-    for method, options in (("quest", dict(budget=64, dense_layers=0)), ("omnikv", dict(budget=64, filter_layers="0"))):
+    for method, options in (("quest", dict(budget=64, dense_layers=0, dense_below=0)),
+                            ("omnikv", dict(budget=64, filter_layers="0"))):
         reference, model = tiny_pair(model_type, seed=7)
         ids, mask = left_padded_batch((13, 9, 5), seed=8)
         want = reference.generate(input_ids=ids, attention_mask=mask, **GREEDY)
@@ -57,22 +58,29 @@ def _check_summaries(manager, rows, layers):
                 assert torch.equal(kmin[page], keys.amin(1)) and torch.equal(kmax[page], keys.amax(1)), (row, layer, i)
 
 
-def test_quest_page_metadata_follows_every_write():
+@pytest.mark.parametrize("dense_below", [0, 33])
+def test_quest_page_metadata_follows_every_write(dense_below):
+    """The key bounds of every page and layer follow every write, in prefill, in selecting decode steps and in
+    dense-read ones (``dense_below`` 33: the batch below holds 27 prompt tokens, so its first three decode steps
+    read densely and the rest select over the bounds those steps kept)."""
     _, model = tiny_pair("llama", seed=1, num_hidden_layers=3)
-    sparsecompile.optimize(model, "quest", budget=8, dense_layers=1, page_size=4, prefill_chunk_size=3)
+    sparsecompile.optimize(model, "quest", budget=8, dense_layers=1, page_size=4, prefill_chunk_size=3,
+                           dense_below=dense_below)
     controller = _controller(model)
     runtime, seen = controller.runtime, []
     original = runtime.commit_step
 
     def commit_and_check(manager, step):
         original(manager, step)
-        _check_summaries(manager, step.row_ids, layers=(1, 2))
-        seen.append(step.is_prefill)
+        _check_summaries(manager, step.row_ids, layers=(0, 1, 2))
+        seen.append("prefill" if step.is_prefill else step.variant)
 
     runtime.commit_step = commit_and_check
     ids, mask = left_padded_batch((13, 9, 5))
     model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
-    assert seen.count(True) == 5 and seen.count(False) == GREEDY["max_new_tokens"] - 1
+    decode = GREEDY["max_new_tokens"] - 1
+    dense = 3 if dense_below else 0
+    assert seen == ["prefill"] * 5 + ["dense"] * dense + ["sparse"] * (decode - dense)
     # Freed pages come back with stale summaries (poisoned here): the first write into a page must reset them.
     manager = controller.manager
     manager.page_metadata[KMIN].fill_(-1e9)
@@ -80,6 +88,27 @@ def test_quest_page_metadata_follows_every_write():
     ids, mask = left_padded_batch((7, 10), seed=9)
     model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     assert len(seen) == 5 + 9 + 4 + 9
+
+
+def test_quest_reads_short_batches_densely():
+    """Below ``dense_below`` tokens in the batch a decode step reads every slot: the tokens equal the unpatched
+    model's and every layer reports reading all it holds; the automatic threshold is 160 MiB of KV per layer."""
+    reference, model = tiny_pair("llama", seed=2, num_hidden_layers=3)
+    sparsecompile.optimize(model, "quest", budget=8, dense_layers=1, page_size=4, dense_below=10_000)
+    ids, mask = left_padded_batch((21, 17), seed=5)
+    want = reference.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, want)
+    stats = sparsecompile.kv_stats(_cache(out))
+    assert all(layer.tokens_read == layer.resident_tokens for layer in stats.layers)
+    _cache(out).release()
+    sparsecompile.restore(model)
+    sparsecompile.optimize(model, "quest", budget=8, dense_layers=1, page_size=4)  # the automatic threshold
+    runtime, layout = _controller(model).runtime, _controller(model).layout
+    model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    assert runtime.dense_below == (160 << 20) // (layout.num_kv_heads * 2 * layout.head_dim * 4)
+    with pytest.raises(ValueError, match="dense_below must be a number of tokens >= 0"):
+        sparsecompile.optimize(reference, "quest", dense_below=-1)
 
 
 def test_page_metadata_grows_with_the_pool():
@@ -99,7 +128,7 @@ L, H, GROUP, D, P = 1, 2, 2, 8, 4
 
 def _quest_setup(budget):
     info = ModelInfo("llama", L, H * GROUP, H, D, ("layer0",), None)
-    runtime = QuestRuntime(QuestConfig(budget=budget, dense_layers=0), info)
+    runtime = QuestRuntime(QuestConfig(budget=budget, dense_layers=0, dense_below=0), info)
     manager = CacheManager(KVLayout(L, H, D, P, torch.float32, torch.device("cpu")), 64, 4, 16)
     runtime.setup(manager)
     return runtime, manager
@@ -220,7 +249,7 @@ def test_omnikv_sparse_layers_read_the_filter_set_plus_decode_tokens():
 
 
 # ------------------------------------------------------------------ statistics and memory
-@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1)),
+@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, dense_below=0)),
                                             ("omnikv", dict(budget=3, filter_layers="1"))])
 def test_tokens_read_reported_next_to_resident(method, options):
     _, model = tiny_pair("qwen2", seed=4, num_hidden_layers=3)
@@ -255,7 +284,7 @@ def _scramble(runtime, manager):
         runtime.prompt.zero_()
 
 
-@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1)),
+@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, dense_below=0)),
                                             ("omnikv", dict(budget=4, filter_layers="1"))])
 def test_loaded_kv_rebuilds_method_state(method, options):
     """``on_kv_loaded`` (a KV import, the benchmark's synthetic fill) rebuilds what the prefill built: generation
@@ -333,14 +362,16 @@ def test_cli_flags_come_from_the_configs():
 
 # ------------------------------------------------------------------ compiled decode
 @pytest.mark.slow
-def test_quest_compiled_decode_equals_eager_one_graph():
+def test_quest_compiled_decode_equals_eager_one_graph_per_variant():
+    """``dense_below`` 22: the first batch (19 prompt tokens) reads densely for two steps, then selects; the second
+    (23) selects throughout. One graph per variant, equal to eager decode under the same rule."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     _, eager = tiny_pair("llama", seed=6, num_hidden_layers=3)
     _, compiled = tiny_pair("llama", seed=6, num_hidden_layers=3)
-    options = dict(budget=8, dense_layers=1, page_size=4)
+    options = dict(budget=8, dense_layers=1, page_size=4, dense_below=22)
     sparsecompile.optimize(eager, "quest", compile=False, **options)
     sparsecompile.optimize(compiled, "quest", compile=True, **options)
     for lengths in ((7, 12), (19, 4)):
@@ -348,7 +379,8 @@ def test_quest_compiled_decode_equals_eager_one_graph():
         want = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
         assert torch.equal(compiled.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False),
                            want)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert _controller(compiled)._compiled_shapes == {(2, 2, "dense"), (2, 2, "sparse")}
+    assert counters["stats"]["unique_graphs"] == 2
     assert sum(counters["graph_break"].values()) == 0
 
 

@@ -18,7 +18,7 @@ CASES = {
     "pyramidkv": {"budget": 14, "window": 4},
     "h2o": {"budget": 12},
     "streamingllm": {"budget": 12},
-    "quest": {"budget": 8, "dense_layers": 0},
+    "quest": {"budget": 8, "dense_layers": 0, "dense_below": 0},
     "omnikv": {"budget": 8, "filter_layers": "0"},
 }
 SERVING = dict(max_num_seqs=3, max_num_batched_tokens=24)

@@ -178,12 +178,47 @@ kivi_fma)  # #20: KIVI decode attention on the CUDA cores (benchmarks/sessions/k
   (cd benchmarks && timeout -s INT 500 python3 sessions/kivi_fma.py --out "$OUT" > "$OUT/kivi_fma.log" 2>&1)
   echo "rc=$?"; python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/kivi_fma_h200.jsonl')][1:]
 for r in rows: print(r['variant'], r.get('config'), r['bits'], r['batch'], r['context'], round(r.get('us', -1), 1), round(r.get('pct_of_bw', 0), 1), r.get('max_err', r.get('error')))" ;;
+quest_rule)  # #14 item 3: where Quest's selection stops paying: vanilla / quest at short contexts and small batches,
+  # 32K x 1 profiled (quest 0.986-0.997x vanilla there) (~5 min)
+  timeout -s INT 500 python3 benchmarks/decode.py --points ${POINTS:-16384x1,32768x1,49152x1,65536x1,8192x4,16384x4,32768x4} \
+    --methods vanilla,quest --no-hf --max-batch "" --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_quest_rule \
+    > "$OUT/quest_rule.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/quest_rule.log" | cut -c1-200
+  grep -h "Self CUDA time total\|_quest\|topk\|_paged_attention_kernel\|_combine" "$OUT"/profile_quest_32k_b1*.txt | cut -c1-60,160-260 ;;
+quest_dense)  # #14 item 3: Quest's dense read of short batches (dense_below) and the key bounds written by kv_write_bounds:
+  # the selection / kernel GPU tests, then vanilla / quest at the short points (quest must now equal vanilla at and
+  # below 40,960 tokens in the batch) and past it, 32K x 1 profiled (~7 min)
+  timeout -s INT 230 $P tests/test_selection_kernels.py tests/gpu/test_selection_cuda.py tests/gpu/test_cuda_engine.py \
+    tests/gpu/test_mixed_cuda.py -k "quest or bounds or selection or topk or kv_write or cuda_graph" \
+    > "$OUT/gpu_tests_quest_dense.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_quest_dense.log" | tail -8
+  timeout -s INT 330 python3 benchmarks/decode.py --points ${POINTS:-16384x1,32768x1,49152x1,8192x4,16384x4} \
+    --methods vanilla,quest --no-hf --max-batch "" --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_quest_dense \
+    > "$OUT/quest_dense.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/quest_dense.log" | cut -c1-160
+  grep -h "Self CUDA time total\|_quest\|topk\|_kv_write\|_paged_attention_kernel" "$OUT"/profile_quest_32k_b1*.txt | cut -c1-60,160-260 ;;
+verify_quest)  # the GPU tests of verify (every one but export / TP / prefill attention / sampling / selection) plus the
+  # kernel tests of selection after kv_write_bounds' load order change, then vanilla / quest at 32K x 1 (~9.5 min)
+  timeout -s INT 430 $P tests/gpu --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
+    --ignore=tests/gpu/test_prefill_attention_cuda.py --ignore=tests/gpu/test_prefill_no_sync.py \
+    --ignore=tests/gpu/test_sampling_cuda.py --ignore=tests/gpu/test_selection_cuda.py tests/test_selection_kernels.py \
+    > "$OUT/gpu_tests_verify_quest.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify_quest.log" | tail -12
+  timeout -s INT 110 python3 benchmarks/decode.py --points 32768x1 --methods vanilla,quest --no-hf --max-batch "" \
+    --prefill "" --profile "" --out "$OUT" --tag _h200_quest_dense_b > "$OUT/quest_dense_b.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/quest_dense_b.log" | cut -c1-160 ;;
+verify_variants)  # #14 item 3 after precompiled programs per decode variant: the GPU tests verify_quest did not reach
+  # (decode programs with Quest crossing dense_below, mixed, multi-turn, selection, sampling, no-sync prefill) (~8 min)
+  timeout -s INT 520 $P tests/gpu/test_decode_programs_cuda.py tests/gpu/test_mixed_cuda.py tests/gpu/test_multiturn_cuda.py \
+    tests/gpu/test_selection_cuda.py tests/gpu/test_sampling_cuda.py tests/gpu/test_prefill_no_sync.py \
+    tests/test_selection_kernels.py > "$OUT/gpu_tests_verify_variants.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify_variants.log" | tail -12 ;;
 user_points)  # #14 at the points not measured through generate() yet (32K x 16, 128K x 1, 128K x 4): h2o vs snapkv
   # (target 0.9x) and each method's generate/engine ratio (target 0.95); one POINT a call, METHODS a pair (~6-8 min:
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
   # time one generate() pair)
   timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
-    --new-tokens 129 --out "$OUT" --tag _h200_points_${POINT:-32768x16} > "$OUT/user_points.log" 2>&1
+    --new-tokens ${NEW:-129} --out "$OUT" --tag _h200_points_${POINT:-32768x16} > "$OUT/user_points.log" 2>&1
   echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores
   # separately vs fused, 48 configs, ~1 min), then the omnikv_fused stage below when it wins

@@ -84,26 +84,6 @@ if triton is not None:
             best = tl.where(valid, best, float("-inf"))
             tl.store(OUT + b * stride_ob + h * stride_oh + j, best, mask=j < max_pages)
 
-    @triton.jit
-    def _page_minmax_decode_kernel(KMIN, KMAX, KEY, SLOTS, stride_kb, stride_kh, stride_sb, trash_page,
-                                   PAGE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        # One program per sequence: its one new key (all KV heads) folded into its page, or the page reset.
-        b = tl.program_id(0)
-        slot = tl.load(SLOTS + b * stride_sb).to(tl.int64)
-        page = tl.where(slot >= 0, slot // PAGE, trash_page)  # padding rows land on the trash page
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        m2 = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-        key = tl.load(KEY + b * stride_kb + h[:, None] * stride_kh + d[None, :], mask=m2, other=0.0)
-        key = key.to(KMIN.dtype.element_ty)
-        offs = (page * KV_HEADS + h[:, None]) * HEAD_DIM + d[None, :]
-        first = (slot >= 0) & (slot % PAGE == 0)
-        lo = tl.load(KMIN + offs, mask=m2, other=0.0)
-        hi = tl.load(KMAX + offs, mask=m2, other=0.0)
-        tl.store(KMIN + offs, tl.where(first, key, tl.minimum(lo, key)).to(KMIN.dtype.element_ty), mask=m2)
-        tl.store(KMAX + offs, tl.where(first, key, tl.maximum(hi, key)).to(KMAX.dtype.element_ty), mask=m2)
-
 
 #: Launch configuration (``benchmarks/sessions/quest_ops_sweep.py`` times alternatives on the H200): pages per
 #: program (up to this many; fewer for short tables), warps, pipeline stages.
@@ -147,60 +127,3 @@ quest_page_scores = define_op(
     cuda=quest_page_scores_triton if triton is not None else None,
     fake=_fake,
 )
-
-
-def page_minmax_update_reference(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor, slots: torch.Tensor,
-                                 page_size: int) -> None:
-    """Fold new keys into their pages' per-channel key minimum / maximum (in place; no host sync).
-
-    Args:
-        kmin, kmax: ``[pool_pages + 1, kv_heads, head_dim]``; the last page is the pool's trash page, which absorbs
-            padding so that every shape stays static.
-        key: ``[batch, kv_heads, tokens, head_dim]`` new keys.
-        slots: ``[batch, tokens]`` int64 global slot ids of the new keys (-1 = padding). A key landing on its
-            page's first slot resets that page's summary (pages are reused after eviction or release).
-
-    One op rather than inline torch code: inside a compiled decode graph, functionalising ``scatter_reduce_``
-    on the pool-sized summaries made inductor copy them whole every layer; an op with declared mutations keeps
-    the update in place (its cost is the new keys, not the pool).
-    """
-    kv_heads, dim = kmin.shape[1], kmin.shape[2]
-    trash_page = kmin.shape[0] - 1
-    flat = slots.reshape(-1)
-    valid = flat >= 0
-    trash = torch.full_like(flat, trash_page)
-    page = torch.where(valid, flat // page_size, trash)
-    first = torch.where(valid & (flat % page_size == 0), page, trash)
-    keys = key.transpose(1, 2).reshape(-1, kv_heads, dim).to(kmin.dtype)  # [batch * tokens, kv_heads, head_dim]
-    kmin.index_put_((first,), torch.full_like(keys, float("inf")))
-    kmax.index_put_((first,), torch.full_like(keys, float("-inf")))
-    index = page[:, None, None].expand(-1, kv_heads, dim).contiguous()  # a stride-0 index hits a slow CPU path
-    kmin.scatter_reduce_(0, index, keys, reduce="amin", include_self=True)
-    kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
-
-
-def _page_minmax_update_fake(kmin, kmax, key, slots, page_size) -> None:
-    return None
-
-
-def page_minmax_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor, slots: torch.Tensor,
-                              page_size: int) -> None:
-    """CUDA: one new key per sequence (decode) in one Triton launch; several (prefill, where keys of one page
-    would race) through the reference."""
-    kv_heads, dim = kmin.shape[1], kmin.shape[2]
-    if key.shape[2] != 1 or not (kmin.is_contiguous() and kmax.is_contiguous()):
-        page_minmax_update_reference(kmin, kmax, key, slots, page_size)
-        return
-    if key.stride(3) != 1:
-        key = key.contiguous()
-    _page_minmax_decode_kernel[(key.shape[0],)](
-        kmin, kmax, key, slots, key.stride(0), key.stride(1), slots.stride(0), kmin.shape[0] - 1,
-        PAGE=page_size, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
-    )
-
-
-page_minmax_update = define_op(
-    "page_minmax_update(Tensor(a!) kmin, Tensor(b!) kmax, Tensor key, Tensor slots, int page_size) -> ()",
-    cpu=page_minmax_update_reference, cuda=page_minmax_update_triton if triton is not None else None,
-    fake=_page_minmax_update_fake)

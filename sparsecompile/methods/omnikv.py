@@ -239,7 +239,7 @@ class OmniKVRuntime(SparseMethod):
 
     # ---- statistics
     def tokens_read(self, manager: CacheManager, rows: list[int]) -> dict[int, int] | None:
-        return self.reads.collect(rows)
+        return self.reads.collect(manager, rows)
 
 
 def _prompt_scores(token_max: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,11 @@ Pages
     since the attention reads whole pool pages (a PageSelection) and the metadata is kept per pool page.
 
 Metadata
-    For every pool page and KV head, the per-channel minimum and maximum key
-    (``CacheManager.register_page_metadata``: ``quest_kmin``, ``quest_kmax`` of ``[pages, kv_heads, head_dim]``
-    in the KV dtype). Updated as keys are written, in prefill and decode, including the partially filled last
-    page. Slots are appended in order, so a page's offset 0 is always its first write: writing offset 0
-    resets the page's summary, which also clears whatever a freed-and-reused page held before.
+    For every pool page and KV head, the per-channel minimum and maximum key: the CacheManager's key bounds
+    (``track_key_bounds``: ``quest_kmin``, ``quest_kmax`` of ``[pages, kv_heads, head_dim]`` in the KV dtype), which
+    every KV write updates, in prefill and decode (the decode step's in the write's own launch), including the
+    partially filled last page. Slots are appended in order, so a page's offset 0 is always its first write:
+    writing offset 0 resets the page's bounds, which also clears whatever a freed-and-reused page held before.
 
 Selection (decode, layers ``>= dense_layers`` without a sliding window)
     Page score ``sum_c max(q_c * min_c, q_c * max_c)`` per query head, **max over the query heads of a
@@ -21,6 +21,21 @@ Selection (decode, layers ``>= dense_layers`` without a sliding window)
     read in ascending order, so the partially filled current page is last. One page set per KV head.
     Layers ``0 .. dense_layers-1`` and every prefill forward are dense. Nothing is evicted: resident
     bytes equal ``vanilla``'s, and an unselected page can be chosen by a later query.
+
+Dense read of short batches (``dense_below``; not in the reference, which always selects)
+    Selection has a fixed cost per step and layer (page scoring, top-k: launches that a short batch leaves
+    latency-bound) and saves reading the unselected pages, so it pays only once the batch holds enough KV. A decode
+    step whose rows hold ``<= dense_below`` tokens in all (summed over the batch, before the new tokens) runs the
+    ``dense`` variant: every layer reads all its slots, exactly as ``vanilla`` (same kernels, same outputs), and the
+    key bounds stay current through the writes, so a later ``sparse`` step selects as if every step had. The host
+    decides from its own slot counts (no sync); a compiled step keeps one graph per batch size and variant. The
+    default (None) reads densely while the batch's KV per layer is ``<= 160 MiB``: 40,960 tokens of
+    Llama-3.1-8B's 4 KiB per token and layer, above the crossover measured on the H200 (Quest's decode step at 32K
+    x 1 equals ``vanilla``'s, 0.94x at 16K x 1, 0.985x at 8K x 4, 1.06x at 48K x 1, 1.13x at 16K x 4;
+    ``benchmarks/results/decode_h200_quest_rule.jsonl``). ``dense_below=0`` always selects, as the reference does.
+    Since the rule sums the batch, a row's reads can depend on the rows it is batched with (in the serving engine).
+    An exported artifact's decode program runs the ``sparse`` variant at every length; ``warmup(programs=True)``
+    precompiles a decode program per variant.
 """
 
 from __future__ import annotations
@@ -32,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MethodConfig, MethodConfigError, option
-from ..kernels.quest_scores import page_minmax_update, quest_page_scores
+from ..kernels.quest_scores import quest_page_scores
 from ..kernels.topk_select import topk_select
 from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
@@ -47,6 +62,9 @@ if TYPE_CHECKING:
     from ..runtime.step import StepState
 
 KMIN, KMAX = "quest_kmin", "quest_kmax"
+SPARSE, DENSE = "sparse", "dense"
+#: the default ``dense_below``: the batch's KV bytes per layer under which a decode step reads densely
+DENSE_READ_BYTES = 160 << 20
 
 
 @dataclass
@@ -57,18 +75,25 @@ class QuestConfig(MethodConfig):
         budget: tokens read per decode step and sparse layer (``budget // page_size`` pages, current page included).
         dense_layers: the first layers, read densely (Quest skips layers 0 and 1).
         quest_page_size: Quest's page size in tokens; must equal the engine ``page_size`` (None: use it).
+        dense_below: decode steps whose batch holds at most this many tokens (summed over its rows) read every slot
+            (module docstring); None: the batch's KV per layer up to 160 MiB; 0: always select.
     """
 
     budget: int = option(2048, "tokens read per decode step and sparse layer (budget // page_size pages, "
                                "current page included)")
     dense_layers: int = option(2, "the first layers, read densely")
     quest_page_size: int | None = option(None, "Quest's page size in tokens; must equal the engine page_size")
+    dense_below: int | None = option(None, "decode steps whose batch holds at most this many tokens (all rows) read "
+                                           "densely; None: up to 160 MiB of KV per layer; 0: always select")
 
     def validate(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
             raise MethodConfigError(f"quest: budget must be a positive number of tokens, got {self.budget!r}")
         if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise MethodConfigError(f"quest: dense_layers must be an integer >= 0, got {self.dense_layers!r}")
+        if self.dense_below is not None and (not isinstance(self.dense_below, int) or self.dense_below < 0):
+            raise MethodConfigError(f"quest: dense_below must be a number of tokens >= 0 (0: always select) or None "
+                                    f"(automatic), got {self.dense_below!r}")
         size = self.quest_page_size
         if size is not None and (not isinstance(size, int) or size < 1 or size & (size - 1)):
             raise MethodConfigError(f"quest: quest_page_size must be a positive power of two, got {size!r}")
@@ -97,6 +122,7 @@ class QuestMemoryOracle(DenseMemoryOracle):
 class QuestRuntime(SparseMethod):
     name = "quest"
     config_class = QuestConfig
+    decode_variants = (SPARSE, DENSE)
 
     def __init__(self, config: QuestConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
@@ -105,6 +131,7 @@ class QuestRuntime(SparseMethod):
                                     f"{model.num_layers}-layer model; pass dense_layers < {model.num_layers}")
         self.config: QuestConfig = config
         self.reads = ReadCounter()
+        self.dense_below = config.dense_below or 0  # tokens; the automatic value is set with the pool (setup)
 
     def _check_layout(self, layout: KVLayout) -> None:
         size, budget = self.config.quest_page_size, self.config.budget
@@ -122,10 +149,11 @@ class QuestRuntime(SparseMethod):
         return QuestMemoryOracle(layout)
 
     def setup(self, manager: CacheManager) -> None:
-        self._check_layout(manager.layout)
-        shape = (manager.layout.head_dim,)
-        manager.register_page_metadata(KMIN, shape, manager.layout.dtype)
-        manager.register_page_metadata(KMAX, shape, manager.layout.dtype)
+        layout = manager.layout
+        self._check_layout(layout)
+        manager.track_key_bounds(KMIN, KMAX)
+        if self.config.dense_below is None:
+            self.dense_below = DENSE_READ_BYTES // (layout.num_kv_heads * layout.bytes_per_slot_head)
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         self._rebuild_summaries(manager, rows)
@@ -134,12 +162,13 @@ class QuestRuntime(SparseMethod):
         self._rebuild_summaries(manager, rows)  # the tail page's summary covered the removed keys
 
     def _rebuild_summaries(self, manager: CacheManager, rows: list[int]) -> None:
-        """Page summaries of ``rows`` from the resident keys (host loop; one row and layer at a time)."""
+        """Key bounds of ``rows``'s pages from the resident keys, every layer's (host loop; one row and layer at a
+        time): KV that reached the pool without a write, or a cropped tail page."""
         P = manager.layout.page_size
         kmin, kmax = manager.page_metadata[KMIN], manager.page_metadata[KMAX]
         counts = manager.slot_count_array(rows)
         for i, row in enumerate(rows):
-            for layer in range(self.config.dense_layers, self.model.num_layers):
+            for layer in range(self.model.num_layers):
                 count = int(counts[i, layer])
                 if count == 0:
                     continue
@@ -149,32 +178,26 @@ class QuestRuntime(SparseMethod):
                 kmin[pages] = torch.where(filled, keys, float("inf")).amin(1).to(kmin.dtype)
                 kmax[pages] = torch.where(filled, keys, float("-inf")).amax(1).to(kmax.dtype)
 
+    def decode_variant(self, manager: CacheManager, step: StepState) -> str:
+        held = int(manager.slot_count_array(step.row_ids).max(axis=1).sum()) - sum(step.num_new_host)
+        return DENSE if held <= self.dense_below else SPARSE
+
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
-        self.reads.prepare(manager, step)
+        self.reads.prepare(manager, step, dense=step.variant == DENSE)
 
     # ---- device hooks
     def _sparse(self, ctx: LayerContext) -> bool:
         # A sliding-window layer is bounded by its window already; it stays dense and keeps no summaries.
         return ctx.layer >= self.config.dense_layers and ctx.sliding_window == 0
 
-    def build_prefill_selection(self, ctx: LayerContext) -> Selection:
-        if self._sparse(ctx):
-            self._update_metadata(ctx)
-        return None
-
     def build_decode_selection(self, ctx: LayerContext) -> Selection:
-        if not self._sparse(ctx):
+        if not self._sparse(ctx) or ctx.step.variant == DENSE:
             return None
-        self._update_metadata(ctx)  # the current page's summary includes the new key
-        return self._select(ctx)
+        return self._select(ctx)  # the current page's bounds include the new key (written before this hook)
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        self.reads.record(ctx)
-
-    def _update_metadata(self, ctx: LayerContext) -> None:
-        """Fold the step's new keys ``[batch, kv_heads, tokens, head_dim]`` into their pages' min / max."""
-        m = ctx.manager
-        page_minmax_update(m.page_metadata[KMIN], m.page_metadata[KMAX], ctx.key, ctx.new_slots, m.layout.page_size)
+        if ctx.step.variant != DENSE:  # a dense step's reads are the slot counts, which the host has
+            self.reads.record(ctx)
 
     def _select(self, ctx: LayerContext) -> PageSelection:
         """Top pages of each KV head within the budget; returns pages ``[batch, kv_heads, k]`` (ascending)."""
@@ -199,4 +222,4 @@ class QuestRuntime(SparseMethod):
 
     # ---- statistics
     def tokens_read(self, manager: CacheManager, rows: list[int]) -> dict[int, int] | None:
-        return self.reads.collect(rows)
+        return self.reads.collect(manager, rows)

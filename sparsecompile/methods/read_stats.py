@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..runtime.compilation import static_address
@@ -48,15 +49,18 @@ class ReadCounter:
     def __init__(self) -> None:
         self.read: torch.Tensor | None = None  # [max_seqs, layers] int64
         self._decoded: set[int] = set()  # host: rows whose last step was a decode step
+        self._dense: set[int] = set()  # host: rows whose last decode step read every slot (nothing recorded)
 
-    def prepare(self, manager: CacheManager, step: StepState) -> None:
-        """Host hook (``prepare_step``): size the buffer; a prefill step starts a row's count afresh."""
+    def prepare(self, manager: CacheManager, step: StepState, dense: bool = False) -> None:
+        """Host hook (``prepare_step``): size the buffer; a prefill step starts a row's count afresh. ``dense``: this
+        decode step reads every resident slot of every layer and records nothing (the host knows the count)."""
         layout = manager.layout
         self.read = grow_rows(self.read, manager.max_seqs, (layout.num_layers,), torch.int64, layout.device)
         if step.is_prefill:
             self._decoded.difference_update(step.row_ids)
         else:
             self._decoded.update(step.row_ids)
+            (self._dense.update if dense else self._dense.difference_update)(step.row_ids)
 
     def record(self, ctx: LayerContext) -> None:
         """Device hook (``on_attention_end``): store ``view.lengths [batch, kv_heads]`` summed over heads."""
@@ -64,10 +68,16 @@ class ReadCounter:
             return
         self.read[ctx.step.rows, ctx.layer] = ctx.view.lengths.sum(dim=1).to(torch.int64)
 
-    def collect(self, rows: list[int]) -> dict[int, int] | None:
+    def collect(self, manager: CacheManager, rows: list[int]) -> dict[int, int] | None:
         """Per layer, slots the last decode step read over ``rows`` (host sync), or None before any decode."""
         decoded = [row for row in rows if row in self._decoded]
         if self.read is None or not decoded:
             return None
-        per_layer = self.read[torch.tensor(decoded, device=self.read.device)].sum(dim=0).tolist()
+        recorded = [row for row in decoded if row not in self._dense]
+        per_layer = np.zeros(manager.layout.num_layers, dtype=np.int64)
+        if recorded:
+            per_layer += self.read[torch.tensor(recorded, device=self.read.device)].sum(dim=0).cpu().numpy()
+        dense = [row for row in decoded if row in self._dense]
+        if dense:  # every resident slot of every KV head
+            per_layer += manager.slot_count_array(dense).sum(axis=0) * manager.layout.num_kv_heads
         return dict(enumerate(int(n) for n in per_layer))

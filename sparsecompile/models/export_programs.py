@@ -62,18 +62,20 @@ class PrefillProgram(nn.Module):
 
 
 class DecodeProgram(nn.Module):
-    def __init__(self, model: nn.Module, patched: PatchedModel, state: list[StateSlot]) -> None:
+    def __init__(self, model: nn.Module, patched: PatchedModel, state: list[StateSlot], variant: str) -> None:
         super().__init__()
         self.lm = model
         self._patched = patched
         self._state = state
+        self._variant = variant
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, new_offsets: torch.Tensor,
                 num_new: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
         controller = self._patched.controller
         # a decode step ends no prompt (an empty list: any() is False, whatever the batch)
         step = StepState(rows, positions, new_offsets, num_new, is_prefill=False, ends_prompt=[],
-                         row_ids=_HostFieldsUnavailable(), num_new_host=_HostFieldsUnavailable())
+                         row_ids=_HostFieldsUnavailable(), num_new_host=_HostFieldsUnavailable(),
+                         variant=self._variant)
         with bound(self._state, list(state)):
             return controller._run(self._patched.inner, step, input_ids=input_ids, inputs_embeds=None,
                                    position_ids=positions, logits_to_keep=1)
@@ -104,11 +106,12 @@ def export_prefill(model: nn.Module, max_tokens: int, max_batch: int) -> Exporte
     return ep
 
 
-def export_decode(model: nn.Module, state: list[StateSlot], example_batch: int,
-                  max_batch: int) -> tuple[ExportedProgram, list[StateSlot]]:
+def export_decode(model: nn.Module, state: list[StateSlot], example_batch: int, max_batch: int,
+                  variant: str | None = None) -> tuple[ExportedProgram, list[StateSlot]]:
     """The decode-step program of a patched ``model`` over ``state`` (see module docstring), and the state slots it
     takes: those the step reads or writes (a method that only appends in decode leaves its eviction limits out,
-    so its program is the same as ``vanilla``'s).
+    so its program is the same as ``vanilla``'s). ``variant``: the method's decode variant the program runs (None:
+    its default, the first of ``decode_variants``).
 
     The controller must hold a pool, and its decode step for ``example_batch`` rows must exist (run one padded
     decode step first: it creates the method's lazy buffers and the persistent StepState used as example).
@@ -117,19 +120,24 @@ def export_decode(model: nn.Module, state: list[StateSlot], example_batch: int,
     step = patched.controller._decode_steps.get(example_batch)
     if step is None:
         raise RuntimeError(f"run one decode step at batch {example_batch} before exporting the decode program")
-    ep = _export_decode(patched, model, step, state, max_batch)
+    variants = patched.controller.runtime.decode_variants
+    if variant is None:
+        variant = variants[0]
+    elif variant not in variants:
+        raise ValueError(f"no decode variant {variant!r}; this method's variants: {', '.join(map(repr, variants))}")
+    ep = _export_decode(patched, model, step, state, max_batch, variant)
     users = {node.name: len(node.users) for node in ep.graph.nodes if node.op == "placeholder"}
     state_inputs = ep.graph_signature.user_inputs[len(DECODE_STEP_INPUTS):]
     used = [slot for slot, name in zip(state, state_inputs) if users.get(name, 0)]
     if len(used) < len(state):
-        ep = _export_decode(patched, model, step, used, max_batch)
+        ep = _export_decode(patched, model, step, used, max_batch, variant)
     _check_no_state_constants(ep, "decode")
     check_capture(ep.graph_module, patched.controller.layout.num_layers)  # one attention op per layer, no SDPA
     return ep, used
 
 
 def _export_decode(patched: PatchedModel, model: nn.Module, step: StepState, state: list[StateSlot],
-                   max_batch: int) -> ExportedProgram:
+                   max_batch: int, variant: str) -> ExportedProgram:
     batch_size = step.rows.shape[0]
     ids = torch.zeros(batch_size, 1, dtype=torch.long, device=step.rows.device)
     args = (ids, step.positions, step.rows, step.new_offsets, step.num_new, tuple(slot.get() for slot in state))
@@ -138,7 +146,8 @@ def _export_decode(patched: PatchedModel, model: nn.Module, step: StepState, sta
     shapes = tuple({0: batch} if batch is not None else None for _ in DECODE_STEP_INPUTS)
     shapes += (tuple({0: pages} if slot.per_page else None for slot in state),)
     with torch.no_grad():
-        return torch.export.export(DecodeProgram(model, patched, state), args, dynamic_shapes=shapes, strict=False)
+        return torch.export.export(DecodeProgram(model, patched, state, variant), args, dynamic_shapes=shapes,
+                                   strict=False)
 
 
 def _check_no_state_constants(ep: ExportedProgram, name: str) -> None:

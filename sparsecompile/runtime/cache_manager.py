@@ -56,6 +56,7 @@ class CacheManager(SharedPages, SlotAccess):
         self.slot_metadata: dict[str, torch.Tensor] = {}
         self._slot_fill: dict[str, float] = {}
         self.page_metadata: dict[str, torch.Tensor] = {}
+        self.key_bounds: tuple[str, str] | None = None  # see track_key_bounds
         L = layout.num_layers
         self._host_table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
         self._table_rows, self._table_width = max_seqs, max_pages_per_seq
@@ -198,6 +199,16 @@ class CacheManager(SharedPages, SlotAccess):
                                          device=self.layout.device))
             self.page_metadata[name] = t
         return self.page_metadata[name]
+
+    def track_key_bounds(self, kmin: str, kmax: str) -> None:
+        """Keep per-page key bounds: page metadata ``kmin``, ``kmax [num_pages + 1, kv_heads, head_dim]`` (the KV
+        dtype) hold the per-channel minimum and maximum key of every page and KV head, updated by every KV write
+        (``kv_write_bounds``: the decode step's in the same launch). A page's first write resets them."""
+        if self.storage is not None:
+            raise ValueError("key bounds are kept over dense pages only, not over a storage format's codes")
+        for name in (kmin, kmax):
+            self.register_page_metadata(name, (self.layout.head_dim,), self.layout.dtype)
+        self.key_bounds = (kmin, kmax)
 
     # ------------------------------------------------------------------ sequences (host)
     @property

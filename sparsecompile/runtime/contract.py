@@ -2,7 +2,8 @@
 
 Lifecycle of one model forward (a prefill chunk or a decode step), driven by the SparseController::
 
-    host:   controller grows slot counts by the new tokens -> method.prepare_step -> CacheManager.flush
+    host:   controller grows slot counts by the new tokens -> (decode) method.decode_variant -> method.prepare_step
+            -> CacheManager.flush
     for each layer (device, traceable):
             CacheManager.write(new K/V) -> method.build_{prefill,decode}_selection
             -> CacheManager.build_view -> attention op -> method.on_attention_end -> method.on_layer_end
@@ -134,6 +135,10 @@ class SparseMethod:
     #: How the CacheManager stores this method's K/V: None (dense, the model's dtype) or a ``runtime.kivi.KiviSpec``
     #: (quantized pages; set per instance from the options of ``kivi`` and its compositions, ``methods/kivi.py``).
     storage: KiviSpec | None = None
+    #: The variants of this method's decode step, chosen per step on the host by :meth:`decode_variant` and read by
+    #: the device hooks as ``ctx.step.variant`` (static in a graph: a compiled step keeps one graph per batch size
+    #: and variant). The first is the default, the one exported and precompiled decode programs trace and run.
+    decode_variants: ClassVar[tuple[str, ...]] = ("",)
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config
@@ -177,6 +182,11 @@ class SparseMethod:
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         """KV reached the pool without a prefill through this method (a KV import, a synthetic benchmark
         fill): rebuild method metadata and state from the resident slots (host; may run device ops)."""
+
+    def decode_variant(self, manager: CacheManager, step: StepState) -> str:
+        """Host, before :meth:`prepare_step` of a decode step (slot counts already include the new tokens): which of
+        :attr:`decode_variants` it runs. No device data: the answer comes from host bookkeeping, never a sync."""
+        return self.decode_variants[0]
 
     # ---- device hooks (traceable)
     def build_prefill_selection(self, ctx: LayerContext) -> Selection:

@@ -11,7 +11,8 @@ work inside :meth:`attend` and the method's ``finish_step`` are device-only, so 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from ..config import EngineConfig
 from ..kernels import paged_attention, paged_attention_lse, paged_attention_token_max, paged_prefill_attention
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
-from .compilation import compile_notice, compile_step, static_address
+from .compilation import allow_recompiles, compile_notice, compile_step, static_address
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .mixed import MixedForward, MixedStep
 from .row_ops import RowOperations, capacity_bucket, table_width
@@ -46,7 +47,10 @@ class SparseController(RowOperations, MixedForward):
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
-        self._compiled_shapes: set[tuple[int, int]] = set()  # (batch, max_seqs) compiled so far (pages: dynamic dims)
+        self._compiled_shapes: set[tuple] = set()  # (batch, max_seqs, variant) compiled so far (pages: dynamic dims)
+        #: the decode variant every step runs instead of the method's choice (None: the method chooses): an artifact's
+        #: program runs the default one (install_decode_step), warmup() compiles each (forced_variant)
+        self.variant_override: str | None = None
         self._step_compiles = False  # the decode unit compiles at a new shape (an installed program does not)
         self.decode_backend: Callable | None = None  # the capture backend of the compiled decode, if any
         self._pad_row: int | None = None  # see _padding_row
@@ -203,6 +207,10 @@ class SparseController(RowOperations, MixedForward):
         before = self._make_room(step)
         if step.is_prefill:
             step.dense_lengths = self._dense_lengths(step, before)
+        else:
+            step.variant = self.variant_override
+            if step.variant is None:
+                step.variant = self.runtime.decode_variant(m, step)
         self.runtime.prepare_step(m, step)
         if m.has_shared_rows(step.row_ids):  # copy-on-write: the pages this step writes must be the row's own
             rewrites = self.runtime.rewrites_resident(m, step)
@@ -338,9 +346,11 @@ class SparseController(RowOperations, MixedForward):
         self._begin(step)
         if self._compiled_decode is None:
             logits = self._decode_eager(inner, step, input_ids, step.positions)
-        elif self._step_compiles and (key := (len(rows), self.manager.max_seqs)) not in self._compiled_shapes:
+        elif self._step_compiles and (key := (len(rows), self.manager.max_seqs, step.variant)) \
+                not in self._compiled_shapes:
             compiles = getattr(self._compiled_decode, "compiles", None)  # a step that may load a program instead
-            with compile_notice(f"the decode step for batch {len(rows)}", compiles is None or compiles(step)):
+            what = f"the decode step for batch {len(rows)}" + (f" ({step.variant} variant)" if step.variant else "")
+            with compile_notice(what, compiles is None or compiles(step)):
                 logits = self._compiled_decode(inner, step, input_ids, step.positions)
             self._compiled_shapes.add(key)
         else:
@@ -406,17 +416,34 @@ class SparseController(RowOperations, MixedForward):
                                    f"-> {_tensor_meta(tensor)[:3]}): call sparsecompile.restore(model) before casting "
                                    "or moving it, then optimize() again")
 
-    def install_decode_step(self, step_fn: Callable) -> None:
+    def install_decode_step(self, step_fn: Callable, *, variants: bool = True) -> None:
         """Run decode steps with ``step_fn(inner, step, input_ids, positions) -> logits`` (forward and
         ``finish_step`` in one unit, like the compiled step): an exported artifact's decode program, or precompiled
         programs in front of the compiled step (``serving/decode_programs.py``; ``step_fn.compiles(step)`` then says
         whether a step will compile). Batches are then padded to the serving engine's CUDA-graph sizes, as with a
-        compiled step."""
+        compiled step. ``variants`` False: ``step_fn`` runs only the method's default decode variant (the one
+        programs are traced in; an artifact's program has nothing to fall back on), so every step runs that one."""
         self._compiled_decode = step_fn
+        if not variants:
+            self.variant_override = self.runtime.decode_variants[0]
+
+    @contextmanager
+    def forced_variant(self, variant: str) -> Iterator[None]:
+        """Decode steps inside the block run ``variant`` (one of the method's ``decode_variants``), whatever the
+        method would choose: ``warmup()`` compiles each variant's graph this way."""
+        if variant not in self.runtime.decode_variants:
+            raise ValueError(f"{self.runtime.name} has no decode variant {variant!r}; its variants: "
+                             f"{', '.join(map(repr, self.runtime.decode_variants))}")
+        before, self.variant_override = self.variant_override, variant
+        try:
+            yield
+        finally:
+            self.variant_override = before
 
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""
         self.decode_backend = backend
+        allow_recompiles(8 * len(self.runtime.decode_variants))  # dynamo's default of 8 graphs, per variant
         self._compiled_decode = compile_step(self._decode_eager, backend)
         self._step_compiles = True
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import evict_lowest as evict_lowest_op
-from ..kernels import gather_slots, kv_write
+from ..kernels import gather_slots, kv_write, kv_write_bounds
 from ..kernels import move_slots as move_slots_op
 from .step import StepState
 from .view import AttentionView, PageSelection, Selection, SlotSelection
@@ -60,6 +60,8 @@ class SlotAccess:
     block_table: torch.Tensor
     lengths: torch.Tensor
     slot_metadata: dict[str, torch.Tensor]
+    page_metadata: dict[str, torch.Tensor]
+    key_bounds: tuple[str, str] | None
     storage: KiviStorage | None
     trash_page: int
     _slot_fill: dict[str, float]
@@ -104,7 +106,8 @@ class SlotAccess:
         """Write the step's new ``key, value [batch, kv_heads, tokens, head_dim]``; returns their global slots.
 
         New tokens land after the slots already in use (``lengths`` already counts them: see
-        :meth:`ensure_slots`). Slot metadata of the new slots is reset to its fill value.
+        :meth:`ensure_slots`). Slot metadata of the new slots is reset to its fill value; tracked key bounds
+        (``track_key_bounds``) take the new keys in.
         """
         if step.slot_plan is not None:
             slots, local = step.slot_plan.slots[layer], None
@@ -112,10 +115,13 @@ class SlotAccess:
             used = self.lengths[step.rows, self.layer_key(layer)].long() - step.num_new  # [batch]
             local = torch.where(step.new_offsets >= 0, used[:, None] + step.new_offsets, step.new_offsets)
             slots = self.global_slots(layer, step.rows, local)
-        if self.storage is None:
-            kv_write(self.k_pool, self.v_pool, self.pos_pool, key, value, slots, step.positions)
-        else:
+        if self.storage is not None:
             self.storage.write(layer, step, key, value, local, slots)
+        elif self.key_bounds is not None:
+            kmin, kmax = (self.page_metadata[name] for name in self.key_bounds)
+            kv_write_bounds(self.k_pool, self.v_pool, self.pos_pool, kmin, kmax, key, value, slots, step.positions)
+        else:
+            kv_write(self.k_pool, self.v_pool, self.pos_pool, key, value, slots, step.positions)
         if self.slot_metadata:
             per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
             for name, meta in self.slot_metadata.items():

@@ -29,6 +29,8 @@ class StepState:
             methods that read the prompt's ids (``SparseMethod.needs_prompt_tokens``); None otherwise.
         scorer: a scoring pass (``SparseController.score_pass``): its tokens' KV is temporary, every layer attends
             over all resident slots and ``scorer.on_attention_end`` runs instead of the method's layer hooks.
+        variant: a decode step's variant (``SparseMethod.decode_variants``), set by the controller before the
+            method's ``prepare_step``: a compiled step keeps one graph per (batch size, variant).
     """
 
     rows: torch.Tensor
@@ -41,6 +43,7 @@ class StepState:
     num_new_host: list[int]
     prompt_tokens: list[tuple[int, list[int]]] | None = None
     scorer: Any = None
+    variant: str = ""
     #: prefill: per layer, the slot count every row reads when the host vouches the view is dense (all rows equal, no
     #: padding, no empty slot), else -1; attention kernels take a sync-free fast path on it (set by the controller)
     dense_lengths: list[int] | None = None

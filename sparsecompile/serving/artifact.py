@@ -364,7 +364,7 @@ def load_engine(path: str | Path, *, device: str | torch.device | None = None, v
     timer.done("prefill_program")
     decode = ArtifactDecode(open_program(root, manifest, "decode", device, weights, single_threaded=True),
                             controller, manifest["programs"]["decode"]["state"])
-    controller.install_decode_step(decode)
+    controller.install_decode_step(decode, variants=False)  # traced in the default variant only
     timer.done("decode_program")
     tokenizer = load_tokenizer(root / manifest["tokenizer"], manifest.get("tokenizer_class"))
     timer.done("tokenizer")

@@ -15,7 +15,8 @@ A package is found by two keys. The **base key** hashes what the traced program 
 transformers, triton and Python versions, the GPU architecture, the model's config and dtype, the method and its
 options, the engine options that shape a decode step, and sparsecompile's own source. The **shape key** hashes
 the decode state's shapes (block table, slot counts, method buffers; the pool's page count is dynamic in the
-program) and the batch size, so a ``generate()`` of the geometry ``warmup`` ran finds it.
+program), the batch size and the method's decode variant (Quest's dense read of short batches has its own program),
+so a ``generate()`` of the geometry ``warmup`` ran finds it.
 """
 
 from __future__ import annotations
@@ -79,14 +80,16 @@ def base_key(model: nn.Module, controller: SparseController) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def shape_key(controller: SparseController, batch: int) -> str:
-    """The batch size and the static shapes of the decode state (every dim but a pool tensor's page count)."""
+def shape_key(controller: SparseController, batch: int, variant: str) -> str:
+    """The batch size, the decode variant and the static shapes of the decode state (every dim but a pool tensor's
+    page count)."""
     shapes = []
     for slot in decode_state(controller):
         t = slot.get()  # None for a pool a storage format replaces (KIVI's k_pool / v_pool)
         dims = None if t is None else list(t.shape[1:] if slot.per_page else t.shape)
         shapes.append((slot.name, None if t is None else str(t.dtype), dims))
-    return hashlib.sha256(json.dumps([batch, shapes]).encode()).hexdigest()[:16]
+    keyed = [batch, shapes] if variant == controller.runtime.decode_variants[0] else [batch, variant, shapes]
+    return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
 
 
 class LiveWeights(Mapping):
@@ -129,15 +132,17 @@ class LiveWeights(Mapping):
         return len(self.own)
 
 
-def build(model: nn.Module, batch: int) -> Path:
-    """Export the decode step of an optimized ``model`` at batch ``batch`` and the geometry its KV core holds now
-    (after a ``generate()`` of that batch, before its cache is released), and compile its AOTI package; returns the
-    package's path. Run by :func:`sparsecompile.warmup` with ``programs=True``."""
+def build(model: nn.Module, batch: int, variant: str | None = None) -> Path:
+    """Export the decode step of an optimized ``model`` at batch ``batch``, in the method's decode ``variant`` (None:
+    its default) and the geometry its KV core holds now (after a ``generate()`` of that batch, before its cache is
+    released), and compile its AOTI package; returns the package's path. Run by :func:`sparsecompile.warmup` with
+    ``programs=True``, once per variant."""
     patched = patched_model(model)
     controller = patched.controller
     start = time.perf_counter()
-    key = shape_key(controller, batch)
-    ep, state = export_decode(model, decode_state(controller), batch, batch)
+    variant = controller.runtime.decode_variants[0] if variant is None else variant
+    ep, state = export_decode(model, decode_state(controller), batch, batch, variant)  # checks the variant
+    key = shape_key(controller, batch, variant)
     if controller.config.fuse_projections:
         ep, _ = fuse_projections(ep)
     configs = inductor_configs(controller.runtime.reads_pool_across_layers)
@@ -158,8 +163,8 @@ def build(model: nn.Module, batch: int) -> Path:
     (target / f"{key}.json.tmp").write_text(json.dumps({"state": [slot.name for slot in state], "batch": batch,
                                                         "constants": sorted(stored)}))
     os.replace(target / f"{key}.json.tmp", target / f"{key}.json")
-    log.info("precompiled the decode program for batch %d in %.1f s (%s)", batch, time.perf_counter() - start,
-             target / f"{key}.pt2")
+    log.info("precompiled the decode program for batch %d%s in %.1f s (%s)", batch,
+             f" ({variant} variant)" if variant else "", time.perf_counter() - start, target / f"{key}.pt2")
     return target / f"{key}.pt2"
 
 
@@ -186,13 +191,13 @@ class PrecompiledDecode:
 
     def runner(self, step: StepState) -> ArtifactDecode | None:
         m = self.controller.manager
-        cheap = (step.rows.shape[0], id(m), tuple(m.block_table.shape), tuple(m.lengths.shape))
+        cheap = (step.rows.shape[0], step.variant, id(m), tuple(m.block_table.shape), tuple(m.lengths.shape))
         if cheap not in self.runners:
-            self.runners[cheap] = self._load(step.rows.shape[0])
+            self.runners[cheap] = self._load(step.rows.shape[0], step.variant)
         return self.runners[cheap]
 
-    def _load(self, batch: int) -> ArtifactDecode | None:
-        key = shape_key(self.controller, batch)
+    def _load(self, batch: int, variant: str) -> ArtifactDecode | None:
+        key = shape_key(self.controller, batch, variant)
         path, info = self.root / f"{key}.pt2", self.root / f"{key}.json"
         if not (path.exists() and info.exists()):
             return None
@@ -214,5 +219,6 @@ class PrecompiledDecode:
                         path, type(err).__name__, err)
             return None
         runner = ArtifactDecode(program, self.controller, spec["state"], capture_live=True)
-        log.info("loaded the precompiled decode program for batch %d in %.1f s", batch, time.perf_counter() - start)
+        log.info("loaded the precompiled decode program for batch %d%s in %.1f s", batch,
+                 f" ({variant} variant)" if variant else "", time.perf_counter() - start)
         return runner

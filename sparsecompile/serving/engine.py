@@ -107,7 +107,7 @@ class LLMEngine(StepForwards):
         sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
         if c.decode_step_compiles:
-            allow_recompiles(2 * len(self.graph_sizes) + 8)
+            allow_recompiles(2 * len(self.graph_sizes) * len(c.runtime.decode_variants) + 8)
         # one forward per mixed step: needs the patched HF forward (an artifact's programs are traced per phase)
         self._mixes_steps = config.enable_mixed_chunk and isinstance(patched, PatchedServedModel)
         self._forward = patched.inner  # of prefill and mixed steps (decode steps have their own compiled unit)

@@ -99,7 +99,8 @@ def test_generate_with_cuda_graph_decode(dtype):
 
 
 @pytest.mark.parametrize("method,options", [("vanilla", {}), ("h2o", {"budget": 32}), ("quest", {"budget": 32,
-                                                                                              "dense_layers": 1})])
+                                                                                              "dense_layers": 1,
+                                                                                              "dense_below": 0})])
 def test_pool_growth_keeps_one_decode_graph(method, options):
     """A longer prompt than any before grows the pool and widens the block table: the compiled decode step is not
     recompiled (the page dimension is dynamic) and its CUDA-graph replays stay equal to eager decoding (fp32)."""

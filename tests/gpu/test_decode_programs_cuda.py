@@ -1,6 +1,7 @@
 """CUDA-only (skipped without a GPU): a precompiled decode program (``serving/decode_programs.py``) replaces the
 compiled step in a later ``optimize()`` + ``generate()``, with the CUDA graph it captures at its first step:
-tokens equal the compiled step's (fp32, so greedy ties cannot differ), and the compiled step never runs."""
+tokens equal the compiled step's (fp32, so greedy ties cannot differ), and the compiled step never runs. Quest's
+``dense_below`` sits inside the generation, so it runs both of its decode variants' programs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("method,options", [("vanilla", {}), ("h2o", {"budget": 48}),
-                                            ("quest", {"budget": 48, "dense_layers": 0})])  # 2 layers: none dense
+                                            # 2 layers: none dense; 2 x 150 held tokens, then 2 x 161: both variants
+                                            ("quest", {"budget": 48, "dense_layers": 0, "dense_below": 310})])
 def test_a_precompiled_program_serves_generate_with_its_cuda_graph(method, options, tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
     _, model = tiny_pair()
@@ -40,4 +42,5 @@ def test_a_precompiled_program_serves_generate_with_its_cuda_graph(method, optio
     for _ in range(2):  # the first call captures the graph, the second replays it
         assert model.generate(ids, max_new_tokens=12, do_sample=False).tolist() == expected.tolist()
     runners = [r for r in step.runners.values() if r is not None]
-    assert len(runners) == 1 and runners[0].graphs
+    assert len(runners) == len(patched_model(model).controller.runtime.decode_variants)
+    assert all(runner.graphs for runner in runners)

@@ -33,7 +33,7 @@ METHODS = {
     "pyramidkv": {"budget": 96, "window": 16},
     "streamingllm": {"budget": 96},
     "h2o": {"budget": 96},
-    "quest": {"budget": 96, "dense_layers": 1},
+    "quest": {"budget": 96, "dense_layers": 1, "dense_below": 0},
     "omnikv": {"budget": 96, "filter_layers": "0"},
 }
 PROMPT_LENGTHS = (300, 180, 45, 260, 130)

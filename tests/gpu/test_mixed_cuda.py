@@ -30,7 +30,7 @@ class Digits:
 
 
 @pytest.mark.parametrize("method,options", [
-    ("vanilla", {}), ("h2o", {"budget": 48}), ("quest", {"budget": 64, "dense_layers": 0}),
+    ("vanilla", {}), ("h2o", {"budget": 48}), ("quest", {"budget": 64, "dense_layers": 0, "dense_below": 0}),
     ("snapkv+kivi", {"budget": 64, "window": 8, "residual": 16, "group_size": 16}),
 ])
 def test_mixed_steps_equal_separate_forwards_on_cuda(method, options):

@@ -58,7 +58,8 @@ def test_chain_continuation_with_cuda_graph_decode_equals_generate(method, optio
     assert llm.llm_engine.stats().reuse.chain_hits == 2
 
 
-@pytest.mark.parametrize("method,options", [("vanilla", {}), ("quest", {"budget": 64, "dense_layers": 0})])
+@pytest.mark.parametrize("method,options", [("vanilla", {}),
+                                            ("quest", {"budget": 64, "dense_layers": 0, "dense_below": 0})])
 def test_prefix_hits_equal_misses_on_cuda(method, options):
     _, model = _cuda_pair()
     _, plain_model = _cuda_pair()
