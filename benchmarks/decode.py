@@ -46,6 +46,8 @@ METHOD_OPTIONS = {
     "vanilla": {},
     "quest": {"budget": 2048},
     "omnikv": {"budget": 2048},
+    "quest-select": {"method": "quest", "budget": 2048, "dense_below": 0},  # selecting at every length (reference)
+    "omnikv-select": {"method": "omnikv", "budget": 2048, "dense_below": 0},
     "snapkv": {"budget": 2048},
     "pyramidkv": {"budget": 2048},
     "h2o": {"budget": 2048},

@@ -8,7 +8,7 @@ DENSE_EQUIVALENT = {
     "vanilla": {},
     # tiny models have 2 layers: make every layer sparse (quest) / observe at layer 0, read with layer 1 (omnikv)
     "quest": {"budget": 1024, "dense_layers": 0, "dense_below": 0},
-    "omnikv": {"budget": 1024, "filter_layers": "0"},
+    "omnikv": {"budget": 1024, "filter_layers": "0", "dense_below": 0},
     # eviction methods: a budget above prompt + generated tokens (11 + 16) never evicts
     "streamingllm": {"budget": 64},
     "snapkv": {"budget": 64},

@@ -30,7 +30,7 @@ EVICTING = {  # budgets below the conversations' lengths: every turn compresses 
     "snapkv+kivi": {"budget": 20, "window": 4, "group_size": 16, "residual": 16},  # a chain keeps its residual ring
 }
 SELECTING = {"vanilla": {}, "quest": {"budget": 16, "dense_layers": 0, "dense_below": 0},
-             "omnikv": {"budget": 12, "filter_layers": "0"}}
+             "omnikv": {"budget": 12, "filter_layers": "0", "dense_below": 0}}
 
 
 def generate_turns(model, parts: list[list[int]], device: str = "cpu", new_tokens: int = T) -> list[list[int]]:

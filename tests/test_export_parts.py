@@ -96,7 +96,7 @@ def _twins(method: str, **options):
 
 
 @pytest.mark.parametrize("method,options", [("h2o", {"budget": 12}), ("quest", {"budget": 8, "dense_below": 0}),
-                                            ("omnikv", {"budget": 6})])
+                                            ("omnikv", {"budget": 6, "dense_below": 0})])
 def test_exported_programs_step_like_the_eager_engine(method, options):
     """Twin engines: one eager, one running the exported programs (prefill with attention called back, decode
     with the method traced in and its state as inputs) as plain torch.export programs. Logits and every state

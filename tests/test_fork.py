@@ -16,7 +16,7 @@ GREEDY = dict(do_sample=False, max_new_tokens=6, pad_token_id=0)
 COMPRESSING = {
     "vanilla": {},
     "quest": {"budget": 16, "dense_layers": 0, "page_size": 8, "dense_below": 0},
-    "omnikv": {"budget": 12, "filter_layers": "0"},
+    "omnikv": {"budget": 12, "filter_layers": "0", "dense_below": 0},
     "streamingllm": {"budget": 20, "sinks": 2},
     "snapkv": {"budget": 20, "window": 4},
     "pyramidkv": {"budget": 20, "window": 4},

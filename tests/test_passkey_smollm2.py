@@ -87,7 +87,7 @@ def test_h2o_passkey(smollm2):
 def test_selection_passkey(smollm2, method, depth):
     model, tokenizer = smollm2
     ids = _prompt(tokenizer, "pydoc", depth)
-    options = {"dense_below": 0} if method == "quest" else {}  # select at ~3K tokens, as the reference does
+    options = {"dense_below": 0}  # select at ~3K tokens, as the references do
     found, stats, runtime = _answer(model, tokenizer, ids, method, budget=BUDGET, **options)
     assert found
     kv_heads = model.config.num_key_value_heads

@@ -37,7 +37,7 @@ def _cache(out):
 def test_budget_covering_everything_equals_unpatched_model(model_type):
     """Budget >= sequence length: every architecture (sliding windows included) gives the unpatched tokens."""
     for method, options in (("quest", dict(budget=64, dense_layers=0, dense_below=0)),
-                            ("omnikv", dict(budget=64, filter_layers="0"))):
+                            ("omnikv", dict(budget=64, filter_layers="0", dense_below=0))):
         reference, model = tiny_pair(model_type, seed=7)
         ids, mask = left_padded_batch((13, 9, 5), seed=8)
         want = reference.generate(input_ids=ids, attention_mask=mask, **GREEDY)
@@ -90,11 +90,15 @@ def test_quest_page_metadata_follows_every_write(dense_below):
     assert len(seen) == 5 + 9 + 4 + 9
 
 
-def test_quest_reads_short_batches_densely():
+@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, page_size=4)),
+                                            ("omnikv", dict(budget=8, filter_layers="0", page_size=4))])
+def test_selection_reads_short_batches_densely(method, options):
     """Below ``dense_below`` tokens in the batch a decode step reads every slot: the tokens equal the unpatched
-    model's and every layer reports reading all it holds; the automatic threshold is 160 MiB of KV per layer."""
+    model's and every layer reports reading all it holds. A batch that grows past it switches to selecting
+    (38 prompt tokens, 2 more a step: three dense steps under 42); the automatic threshold is 160 MiB of KV per
+    layer."""
     reference, model = tiny_pair("llama", seed=2, num_hidden_layers=3)
-    sparsecompile.optimize(model, "quest", budget=8, dense_layers=1, page_size=4, dense_below=10_000)
+    sparsecompile.optimize(model, method, dense_below=10_000, **options)
     ids, mask = left_padded_batch((21, 17), seed=5)
     want = reference.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
@@ -103,12 +107,24 @@ def test_quest_reads_short_batches_densely():
     assert all(layer.tokens_read == layer.resident_tokens for layer in stats.layers)
     _cache(out).release()
     sparsecompile.restore(model)
-    sparsecompile.optimize(model, "quest", budget=8, dense_layers=1, page_size=4)  # the automatic threshold
+
+    sparsecompile.optimize(model, method, dense_below=42, **options)
+    runtime, seen = _controller(model).runtime, []
+    prepare = runtime.prepare_step
+    runtime.prepare_step = lambda manager, step: (step.is_prefill or seen.append(step.variant), prepare(manager, step))
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
+    assert seen == ["dense"] * 3 + ["sparse"] * (GREEDY["max_new_tokens"] - 4)
+    stats = sparsecompile.kv_stats(_cache(out))
+    assert all(layer.tokens_read < layer.resident_tokens for layer in stats.layers if layer.layer >= 1)
+    _cache(out).release()
+    sparsecompile.restore(model)
+
+    sparsecompile.optimize(model, method, **options)  # the automatic threshold
     runtime, layout = _controller(model).runtime, _controller(model).layout
     model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     assert runtime.dense_below == (160 << 20) // (layout.num_kv_heads * 2 * layout.head_dim * 4)
     with pytest.raises(ValueError, match="dense_below must be a number of tokens >= 0"):
-        sparsecompile.optimize(reference, "quest", dense_below=-1)
+        sparsecompile.optimize(reference, method, dense_below=-1)
 
 
 def test_page_metadata_grows_with_the_pool():
@@ -205,7 +221,8 @@ def test_quest_reads_top_pages_and_current_page():
 def test_omnikv_sparse_layers_read_the_filter_set_plus_decode_tokens():
     _, model = tiny_pair("llama", seed=2, num_hidden_layers=4)
     budget = 3
-    sparsecompile.optimize(model, "omnikv", budget=budget, filter_layers="0,2", page_size=4, prefill_chunk_size=5)
+    sparsecompile.optimize(model, "omnikv", budget=budget, filter_layers="0,2", page_size=4, prefill_chunk_size=5,
+                           dense_below=0)
     controller = _controller(model)
     runtime, manager = controller.runtime, controller.manager
     assert runtime.sparse_layers == {1, 3} and runtime.filter_layers == {0, 2}
@@ -250,7 +267,7 @@ def test_omnikv_sparse_layers_read_the_filter_set_plus_decode_tokens():
 
 # ------------------------------------------------------------------ statistics and memory
 @pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, dense_below=0)),
-                                            ("omnikv", dict(budget=3, filter_layers="1"))])
+                                            ("omnikv", dict(budget=3, filter_layers="1", dense_below=0))])
 def test_tokens_read_reported_next_to_resident(method, options):
     _, model = tiny_pair("qwen2", seed=4, num_hidden_layers=3)
     sparsecompile.optimize(model, method, page_size=4, **options)
@@ -285,7 +302,7 @@ def _scramble(runtime, manager):
 
 
 @pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, dense_below=0)),
-                                            ("omnikv", dict(budget=4, filter_layers="1"))])
+                                            ("omnikv", dict(budget=4, filter_layers="1", dense_below=0))])
 def test_loaded_kv_rebuilds_method_state(method, options):
     """``on_kv_loaded`` (a KV import, the benchmark's synthetic fill) rebuilds what the prefill built: generation
     after scrambling the state and reloading equals the undisturbed one; without the reload it differs."""
@@ -393,7 +410,7 @@ def test_omnikv_compiled_decode_updates_the_pool_in_place():
     torch._dynamo.reset()
     _, eager = tiny_pair("llama", seed=7, num_hidden_layers=3)
     _, compiled = tiny_pair("llama", seed=7, num_hidden_layers=3)
-    options = dict(budget=8, filter_layers="0", page_size=4, num_pages=4096)
+    options = dict(budget=8, filter_layers="0", page_size=4, num_pages=4096, dense_below=0)
     sparsecompile.optimize(eager, "omnikv", compile=False, **options)
     sparsecompile.optimize(compiled, "omnikv", compile=True, **options)
     ids, mask = left_padded_batch((11, 17), seed=3)

@@ -19,7 +19,7 @@ CASES = {
     "h2o": {"budget": 12},
     "streamingllm": {"budget": 12},
     "quest": {"budget": 8, "dense_layers": 0, "dense_below": 0},
-    "omnikv": {"budget": 8, "filter_layers": "0"},
+    "omnikv": {"budget": 8, "filter_layers": "0", "dense_below": 0},
 }
 SERVING = dict(max_num_seqs=3, max_num_batched_tokens=24)
 LLM_PROMPT_LENGTHS = (21, 40, 9)

@@ -213,6 +213,12 @@ verify_variants)  # #14 item 3 after precompiled programs per decode variant: th
     tests/gpu/test_selection_cuda.py tests/gpu/test_sampling_cuda.py tests/gpu/test_prefill_no_sync.py \
     tests/test_selection_kernels.py > "$OUT/gpu_tests_verify_variants.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_verify_variants.log" | tail -12 ;;
+omnikv_rule)  # #14 item 3 for OmniKV: vanilla / omnikv (dense read below 40,960 tokens) / omnikv-select (always
+  # selecting, the reference) at short and crossing points, 32K x 1 profiled (~7 min)
+  timeout -s INT 520 python3 benchmarks/decode.py --points ${POINTS:-16384x1,32768x1,49152x1,8192x4,16384x4} \
+    --methods vanilla,omnikv,omnikv-select --no-hf --max-batch "" --prefill "" --profile "" --out "$OUT" \
+    --tag _h200_omnikv_rule > "$OUT/omnikv_rule.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/omnikv_rule.log" | cut -c1-160 ;;
 user_points)  # #14 at the points not measured through generate() yet (32K x 16, 128K x 1, 128K x 4): h2o vs snapkv
   # (target 0.9x) and each method's generate/engine ratio (target 0.95); one POINT a call, METHODS a pair (~6-8 min:
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens

@@ -22,6 +22,14 @@ Selection (decode only; prefill is dense everywhere)
     Sliding-window layers stay dense. Under tensor parallelism the max runs over every rank's query
     heads (an all-reduce), so all ranks select the same set.
 
+Dense read of short batches (``dense_below``; not in the reference, which always selects)
+    ``methods/dense_read.py``: a decode step whose batch holds ``<= dense_below`` tokens runs the ``dense`` variant:
+    every layer reads all its slots with the plain attention kernel (no token max written, no top-k), as
+    ``vanilla``. Nothing carries over between steps (the first filter layer of every sparse step chooses the set
+    before a sparse layer reads it), so a sparse step after dense ones selects as if every step had. The default
+    reads densely up to 160 MiB of KV per layer in the batch, 40,960 tokens of Llama-3.1-8B (on the H200 OmniKV's
+    step was 1.01x ``vanilla``'s at 32K x 1 and 1.35x at 128K x 1; ``benchmarks/results/decode_h200.jsonl``).
+
 State (device tensors owned by the runtime, static per row count, mutated in place in decode):
     ``prompt [max_seqs]`` prompt slots of each row (set by the host in prefill), ``selected [max_seqs, width]``
     the current set (``width = budget`` or the block-table capacity with ``ratio``), ``count [max_seqs]``.
@@ -42,6 +50,7 @@ from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import Selection, SlotSelection
+from .dense_read import DENSE, DenseReadOfShortBatches, dense_below_option, validate_dense_below
 from .read_stats import ReadCounter, copy_rows, grow_rows
 from .registry import register_method
 
@@ -62,12 +71,15 @@ class OmniKVConfig(MethodConfig):
         budget: prompt tokens each sparse layer reads per decode step (plus every decode token).
         ratio: instead of ``budget``, this fraction of each row's prompt (``0 < ratio <= 1``, rounded up).
         filter_layers: observation layers, e.g. ``"2,8,18"`` or ``(2, 8, 18)``; None: 2, 8, 18 clipped to the depth.
+        dense_below: decode steps whose batch holds at most this many tokens (summed over its rows) read every slot
+            (``methods/dense_read.py``); None: the batch's KV per layer up to 160 MiB; 0: always select.
     """
 
     budget: int | None = option(None, "prompt tokens selected per decode step (default 2048; or ratio)")
     ratio: float | None = option(None, "fraction of the prompt selected per decode step (or budget)")
     filter_layers: str | tuple[int, ...] | None = option(None, "filter layers, comma-separated (default: "
                                                                "\"2,8,18\", clipped to the depth)")
+    dense_below: int | None = dense_below_option()
 
     def validate(self) -> None:
         if self.budget is not None and self.ratio is not None:
@@ -76,6 +88,7 @@ class OmniKVConfig(MethodConfig):
             raise MethodConfigError(f"omnikv: budget must be a positive number of tokens, got {self.budget!r}")
         if self.ratio is not None and not (isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1):
             raise MethodConfigError(f"omnikv: ratio must be in (0, 1], got {self.ratio!r}")
+        validate_dense_below("omnikv", self.dense_below)
         if self.filter_layers is not None:
             self.filter_layers = _parse_layers(self.filter_layers)
 
@@ -110,7 +123,7 @@ class OmniKVMemoryOracle(DenseMemoryOracle):
 
 
 @register_method
-class OmniKVRuntime(SparseMethod):
+class OmniKVRuntime(DenseReadOfShortBatches, SparseMethod):
     name = "omnikv"
     config_class = OmniKVConfig
     reads_pool_across_layers = True
@@ -143,6 +156,7 @@ class OmniKVRuntime(SparseMethod):
 
     def setup(self, manager: CacheManager) -> None:
         self._ensure_buffers(manager)
+        self._set_dense_threshold(self.config.dense_below, manager.layout)
 
     def _capacity(self, manager: CacheManager) -> int:
         return manager.slot_capacity
@@ -156,7 +170,7 @@ class OmniKVRuntime(SparseMethod):
 
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         self._ensure_buffers(manager)  # the manager may have grown (rows, block-table width)
-        self.reads.prepare(manager, step)
+        self.reads.prepare(manager, step, dense=step.variant == DENSE)
         if step.is_prefill:
             self._set_prompt(manager, step.row_ids)
 
@@ -190,7 +204,7 @@ class OmniKVRuntime(SparseMethod):
         return capacity if self.token_budget is None else min(self.token_budget, capacity)
 
     def build_decode_selection(self, ctx: LayerContext) -> Selection:
-        if ctx.layer not in self.sparse_layers or ctx.sliding_window > 0:
+        if ctx.layer not in self.sparse_layers or ctx.sliding_window > 0 or self.dense_step(ctx):
             return None
         m, rows = ctx.manager, ctx.step.rows
         capacity = self._capacity(m)
@@ -207,13 +221,14 @@ class OmniKVRuntime(SparseMethod):
         return SlotSelection(slots[:, None, :].expand(-1, H, -1), (count + decoded)[:, None].expand(-1, H))
 
     def wants_token_max(self, ctx: LayerContext) -> bool:
-        return ctx.layer in self.filter_layers
+        return ctx.layer in self.filter_layers and not self.dense_step(ctx)
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        self.reads.record(ctx)
+        if not self.dense_step(ctx):  # a dense step's reads are the slot counts, which the host has
+            self.reads.record(ctx)
 
     def on_layer_end(self, ctx: LayerContext) -> None:
-        if ctx.step.is_prefill or ctx.layer not in self.filter_layers:
+        if ctx.step.is_prefill or ctx.layer not in self.filter_layers or self.dense_step(ctx):
             return
         self._observe(ctx)
 

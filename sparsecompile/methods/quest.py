@@ -23,19 +23,13 @@ Selection (decode, layers ``>= dense_layers`` without a sliding window)
     bytes equal ``vanilla``'s, and an unselected page can be chosen by a later query.
 
 Dense read of short batches (``dense_below``; not in the reference, which always selects)
-    Selection has a fixed cost per step and layer (page scoring, top-k: launches that a short batch leaves
-    latency-bound) and saves reading the unselected pages, so it pays only once the batch holds enough KV. A decode
-    step whose rows hold ``<= dense_below`` tokens in all (summed over the batch, before the new tokens) runs the
-    ``dense`` variant: every layer reads all its slots, exactly as ``vanilla`` (same kernels, same outputs), and the
-    key bounds stay current through the writes, so a later ``sparse`` step selects as if every step had. The host
-    decides from its own slot counts (no sync); a compiled step keeps one graph per batch size and variant. The
-    default (None) reads densely while the batch's KV per layer is ``<= 160 MiB``: 40,960 tokens of
-    Llama-3.1-8B's 4 KiB per token and layer, above the crossover measured on the H200 (Quest's decode step at 32K
-    x 1 equals ``vanilla``'s, 0.94x at 16K x 1, 0.985x at 8K x 4, 1.06x at 48K x 1, 1.13x at 16K x 4;
-    ``benchmarks/results/decode_h200_quest_rule.jsonl``). ``dense_below=0`` always selects, as the reference does.
-    Since the rule sums the batch, a row's reads can depend on the rows it is batched with (in the serving engine).
-    An exported artifact's decode program runs the ``sparse`` variant at every length; ``warmup(programs=True)``
-    precompiles a decode program per variant.
+    ``methods/dense_read.py``: a decode step whose batch holds ``<= dense_below`` tokens runs the ``dense`` variant
+    (every layer reads all its slots, as ``vanilla``). The key bounds stay current through the writes, so a later
+    ``sparse`` step selects as if every step had. The default reads densely up to 160 MiB of KV per layer in the
+    batch, 40,960 tokens of Llama-3.1-8B, above the crossover measured on the H200 (Quest's decode step at 32K x 1
+    equals ``vanilla``'s, 0.94x at 16K x 1, 0.985x at 8K x 4, 1.06x at 48K x 1, 1.13x at 16K x 4;
+    ``benchmarks/results/decode_h200_quest_rule.jsonl``). An exported artifact's decode program runs the ``sparse``
+    variant at every length; ``warmup(programs=True)`` precompiles a decode program per variant.
 """
 
 from __future__ import annotations
@@ -53,6 +47,7 @@ from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import PageSelection, Selection
+from .dense_read import DENSE, DenseReadOfShortBatches, dense_below_option, validate_dense_below
 from .read_stats import ReadCounter
 from .registry import register_method
 
@@ -62,9 +57,6 @@ if TYPE_CHECKING:
     from ..runtime.step import StepState
 
 KMIN, KMAX = "quest_kmin", "quest_kmax"
-SPARSE, DENSE = "sparse", "dense"
-#: the default ``dense_below``: the batch's KV bytes per layer under which a decode step reads densely
-DENSE_READ_BYTES = 160 << 20
 
 
 @dataclass
@@ -76,24 +68,21 @@ class QuestConfig(MethodConfig):
         dense_layers: the first layers, read densely (Quest skips layers 0 and 1).
         quest_page_size: Quest's page size in tokens; must equal the engine ``page_size`` (None: use it).
         dense_below: decode steps whose batch holds at most this many tokens (summed over its rows) read every slot
-            (module docstring); None: the batch's KV per layer up to 160 MiB; 0: always select.
+            (``methods/dense_read.py``); None: the batch's KV per layer up to 160 MiB; 0: always select.
     """
 
     budget: int = option(2048, "tokens read per decode step and sparse layer (budget // page_size pages, "
                                "current page included)")
     dense_layers: int = option(2, "the first layers, read densely")
     quest_page_size: int | None = option(None, "Quest's page size in tokens; must equal the engine page_size")
-    dense_below: int | None = option(None, "decode steps whose batch holds at most this many tokens (all rows) read "
-                                           "densely; None: up to 160 MiB of KV per layer; 0: always select")
+    dense_below: int | None = dense_below_option()
 
     def validate(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
             raise MethodConfigError(f"quest: budget must be a positive number of tokens, got {self.budget!r}")
         if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise MethodConfigError(f"quest: dense_layers must be an integer >= 0, got {self.dense_layers!r}")
-        if self.dense_below is not None and (not isinstance(self.dense_below, int) or self.dense_below < 0):
-            raise MethodConfigError(f"quest: dense_below must be a number of tokens >= 0 (0: always select) or None "
-                                    f"(automatic), got {self.dense_below!r}")
+        validate_dense_below("quest", self.dense_below)
         size = self.quest_page_size
         if size is not None and (not isinstance(size, int) or size < 1 or size & (size - 1)):
             raise MethodConfigError(f"quest: quest_page_size must be a positive power of two, got {size!r}")
@@ -119,10 +108,9 @@ class QuestMemoryOracle(DenseMemoryOracle):
 
 
 @register_method
-class QuestRuntime(SparseMethod):
+class QuestRuntime(DenseReadOfShortBatches, SparseMethod):
     name = "quest"
     config_class = QuestConfig
-    decode_variants = (SPARSE, DENSE)
 
     def __init__(self, config: QuestConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
@@ -131,7 +119,6 @@ class QuestRuntime(SparseMethod):
                                     f"{model.num_layers}-layer model; pass dense_layers < {model.num_layers}")
         self.config: QuestConfig = config
         self.reads = ReadCounter()
-        self.dense_below = config.dense_below or 0  # tokens; the automatic value is set with the pool (setup)
 
     def _check_layout(self, layout: KVLayout) -> None:
         size, budget = self.config.quest_page_size, self.config.budget
@@ -152,8 +139,7 @@ class QuestRuntime(SparseMethod):
         layout = manager.layout
         self._check_layout(layout)
         manager.track_key_bounds(KMIN, KMAX)
-        if self.config.dense_below is None:
-            self.dense_below = DENSE_READ_BYTES // (layout.num_kv_heads * layout.bytes_per_slot_head)
+        self._set_dense_threshold(self.config.dense_below, layout)
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         self._rebuild_summaries(manager, rows)
@@ -178,10 +164,6 @@ class QuestRuntime(SparseMethod):
                 kmin[pages] = torch.where(filled, keys, float("inf")).amin(1).to(kmin.dtype)
                 kmax[pages] = torch.where(filled, keys, float("-inf")).amax(1).to(kmax.dtype)
 
-    def decode_variant(self, manager: CacheManager, step: StepState) -> str:
-        held = int(manager.slot_count_array(step.row_ids).max(axis=1).sum()) - sum(step.num_new_host)
-        return DENSE if held <= self.dense_below else SPARSE
-
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         self.reads.prepare(manager, step, dense=step.variant == DENSE)
 
@@ -191,12 +173,12 @@ class QuestRuntime(SparseMethod):
         return ctx.layer >= self.config.dense_layers and ctx.sliding_window == 0
 
     def build_decode_selection(self, ctx: LayerContext) -> Selection:
-        if not self._sparse(ctx) or ctx.step.variant == DENSE:
+        if not self._sparse(ctx) or self.dense_step(ctx):
             return None
         return self._select(ctx)  # the current page's bounds include the new key (written before this hook)
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        if ctx.step.variant != DENSE:  # a dense step's reads are the slot counts, which the host has
+        if not self.dense_step(ctx):  # a dense step's reads are the slot counts, which the host has
             self.reads.record(ctx)
 
     def _select(self, ctx: LayerContext) -> PageSelection:

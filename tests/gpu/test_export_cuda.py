@@ -34,7 +34,7 @@ METHODS = {
     "streamingllm": {"budget": 96},
     "h2o": {"budget": 96},
     "quest": {"budget": 96, "dense_layers": 1, "dense_below": 0},
-    "omnikv": {"budget": 96, "filter_layers": "0"},
+    "omnikv": {"budget": 96, "filter_layers": "0", "dense_below": 0},
 }
 PROMPT_LENGTHS = (300, 180, 45, 260, 130)
 MAX_TOKENS = 16

@@ -71,7 +71,7 @@ def test_topk_select_triton_vs_reference(n, k, radix_bits):
 @pytest.mark.parametrize("method,options,graphs", [
     ("quest", dict(budget=64, dense_layers=1, dense_below=0), 1),
     ("quest", dict(budget=64, dense_layers=1, dense_below=390), 2),  # 357 prompt tokens: dense, then selecting
-    ("omnikv", dict(budget=48, filter_layers="1"), 1),
+    ("omnikv", dict(budget=48, filter_layers="1", dense_below=0), 1),
 ])
 def test_selection_decode_with_cuda_graphs_equals_eager(method, options, graphs):
     from tiny_models import left_padded_batch, tiny_config
