@@ -48,6 +48,8 @@ METHOD_OPTIONS = {
     "omnikv": {"budget": 2048},
     "quest-select": {"method": "quest", "budget": 2048, "dense_below": 0},  # selecting at every length (reference)
     "omnikv-select": {"method": "omnikv", "budget": 2048, "dense_below": 0},
+    "vanilla-mlp32k": {"method": "vanilla", "prefill_mlp_chunk": 32768},  # prefill.py: MLP chunks of the prefill
+    "vanilla-mlp64k": {"method": "vanilla", "prefill_mlp_chunk": 65536},
     "snapkv": {"budget": 2048},
     "pyramidkv": {"budget": 2048},
     "h2o": {"budget": 2048},

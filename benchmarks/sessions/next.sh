@@ -34,6 +34,9 @@
 #   bash benchmarks/sessions/next.sh kivi_fma     # #20 KIVI decode on the CUDA cores vs the package kernel       ~5 min
 #   bash benchmarks/sessions/next.sh omnikv_fused # #14 OmniKV's filter scores from the attention kernel: tests, 128K x 4 ~6 min
 #   POINT=131072x4 METHODS=snapkv,h2o bash benchmarks/sessions/next.sh user_points  # #14 generate() at one point ~6-8 min
+#   bash benchmarks/sessions/next.sh verify_variants  # #14 item 3: GPU tests after the per-variant programs     ~8 min
+#   bash benchmarks/sessions/next.sh omnikv_rule      # #14 item 3: OmniKV's dense read at short points           ~7 min
+#   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
@@ -51,6 +54,9 @@
 # (fused OmniKV scores: 644 us with twice the splits vs 524 + 257 separate -> DECODE_TOKEN_MAX_CONFIG), omnikv_fused
 # (10 passed; omnikv 2.33x), user_path generate/engine for vanilla, quest, omnikv, streamingllm, pyramidkv at 32K x 1
 # (0.970-0.987). One start was refused (121 s of the budget).
+# 2026-12-03: quest_rule, user_points 128K x 1 (snapkv, h2o: 129 tokens too noisy at 128K; rerun with NEW=513),
+# quest_dense, verify_quest (51 passed, the decode-programs quest case failed: programs were built for the default
+# variant only; now one per variant), then verify_variants / omnikv_rule / mlp_chunk (see their lines).
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # `user_points` at 32K x 16, 128K x 1, 128K x 4 (h2o vs snapkv and generate/engine: one point a call, compiles
 # dominate), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `verify` +
@@ -219,6 +225,14 @@ omnikv_rule)  # #14 item 3 for OmniKV: vanilla / omnikv (dense read below 40,960
     --methods vanilla,omnikv,omnikv-select --no-hf --max-batch "" --prefill "" --profile "" --out "$OUT" \
     --tag _h200_omnikv_rule > "$OUT/omnikv_rule.log" 2>&1
   echo "rc=$?"; grep -E '"method"' "$OUT/omnikv_rule.log" | cut -c1-160 ;;
+mlp_chunk)  # #13 vanilla prefill at 32K x 4 (1.005x HF) and 128K x 1 (0.997x): the MLP's 16K-row chunks pick other
+  # cuBLAS tiles than HF's whole-batch GEMMs; 32K and 64K-row chunks against HF, 3 runs each, one invocation (~5 min)
+  timeout -s INT 280 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,vanilla-mlp32k,vanilla-mlp64k \
+    --contexts 32768 --batches 4 --chunk-sizes default --repeats 3 --out "$OUT" --tag _h200_mlp_chunk > "$OUT/mlp_b4.log" 2>&1
+  echo "b4 rc=$?"; grep '"system"' "$OUT/mlp_b4.log" | cut -c1-230
+  timeout -s INT 250 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,vanilla-mlp32k,vanilla-mlp64k \
+    --contexts 131072 --batches 1 --chunk-sizes default --repeats 3 --out "$OUT" --tag _h200_mlp_chunk > "$OUT/mlp_b1.log" 2>&1
+  echo "b1 rc=$?"; grep '"system"' "$OUT/mlp_b1.log" | cut -c1-230 ;;
 user_points)  # #14 at the points not measured through generate() yet (32K x 16, 128K x 1, 128K x 4): h2o vs snapkv
   # (target 0.9x) and each method's generate/engine ratio (target 0.95); one POINT a call, METHODS a pair (~6-8 min:
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
