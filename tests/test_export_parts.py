@@ -162,6 +162,22 @@ def test_a_loaded_artifact_binds_the_buffers_its_method_creates_in_the_first_ste
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
 
+def test_a_decode_program_is_traced_in_the_variant_asked_for():
+    """Quest's decode variants (``methods/dense_read.py``): the default program selects pages, the ``dense`` one
+    reads every slot (no page scores in its graph); a variant the method lacks is refused."""
+    model, patched = _patched("quest", budget=8, dense_layers=0)
+    _pad_step(patched)
+    state = decode_state(patched.controller)
+
+    def scores_pages(program) -> bool:
+        return any("quest_page_scores" in str(node.target) for node in program.graph.nodes)
+
+    assert scores_pages(export_decode(model, state, 3, 4)[0])
+    assert not scores_pages(export_decode(model, state, 3, 4, "dense")[0])
+    with pytest.raises(ValueError, match="no decode variant 'fast'"):
+        export_decode(model, state, 3, 4, "fast")
+
+
 def test_a_decode_hook_reading_host_fields_fails_the_export(monkeypatch):
     model, patched = _patched("vanilla")
     _pad_step(patched)
