@@ -27,8 +27,9 @@ Dense read of short batches (``dense_below``; not in the reference, which always
     every layer reads all its slots with the plain attention kernel (no token max written, no top-k), as
     ``vanilla``. Nothing carries over between steps (the first filter layer of every sparse step chooses the set
     before a sparse layer reads it), so a sparse step after dense ones selects as if every step had. The default
-    reads densely up to 160 MiB of KV per layer in the batch, 40,960 tokens of Llama-3.1-8B (on the H200 OmniKV's
-    step was 1.01x ``vanilla``'s at 32K x 1 and 1.35x at 128K x 1; ``benchmarks/results/decode_h200.jsonl``).
+    reads densely up to 160 MiB of KV per layer in the batch, 40,960 tokens of Llama-3.1-8B. On the H200
+    (``benchmarks/results/decode_h200_omnikv_rule.jsonl``) always selecting gave 0.93x ``vanilla``'s step at 16K x 1,
+    1.006x at 32K x 1 and 1.07x at 48K x 1 and 16K x 4; with the rule, 0.998x and 1.001x at 16K and 32K x 1.
 
 State (device tensors owned by the runtime, static per row count, mutated in place in decode):
     ``prompt [max_seqs]`` prompt slots of each row (set by the host in prefill), ``selected [max_seqs, width]``
