@@ -56,7 +56,9 @@
 # (0.970-0.987). One start was refused (121 s of the budget).
 # 2026-12-03: quest_rule, user_points 128K x 1 (snapkv, h2o: 129 tokens too noisy at 128K; rerun with NEW=513),
 # quest_dense, verify_quest (51 passed, the decode-programs quest case failed: programs were built for the default
-# variant only; now one per variant), then verify_variants / omnikv_rule / mlp_chunk (see their lines).
+# variant only; now one per variant), then (after two hours of refused starts) verify_variants (68 passed),
+# omnikv_rule (4 points), mlp_chunk's 32K x 4 part and a 128K x 1 vanilla / HF pair. Next: user_points NEW=513 at
+# 131072x1, profile METHODS=quest,omnikv (first call with the dense graph only), export + verify_b after the change.
 # Next session's order (30 min of device time): the two-GPU kind first if `status` lists it (next_x2.sh: #18); then
 # `user_points` at 32K x 16, 128K x 1, 128K x 4 (h2o vs snapkv and generate/engine: one point a call, compiles
 # dominate), `programs` METHOD=quest (#14 warm process), `kivi_capacity` (#20), `verify` +
