@@ -51,7 +51,7 @@ from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import Selection, SlotSelection
-from .dense_read import DENSE, DenseReadOfShortBatches, dense_below_option, validate_dense_below
+from .dense_read import DenseReadOfShortBatches, dense_below_option, validate_dense_below
 from .read_stats import ReadCounter, copy_rows, grow_rows
 from .registry import register_method
 
@@ -171,7 +171,7 @@ class OmniKVRuntime(DenseReadOfShortBatches, SparseMethod):
 
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         self._ensure_buffers(manager)  # the manager may have grown (rows, block-table width)
-        self.reads.prepare(manager, step, dense=step.variant == DENSE)
+        self.reads.prepare(manager, step)
         if step.is_prefill:
             self._set_prompt(manager, step.row_ids)
 
@@ -225,8 +225,7 @@ class OmniKVRuntime(DenseReadOfShortBatches, SparseMethod):
         return ctx.layer in self.filter_layers and not self.dense_step(ctx)
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        if not self.dense_step(ctx):  # a dense step's reads are the slot counts, which the host has
-            self.reads.record(ctx)
+        self.reads.record(ctx)
 
     def on_layer_end(self, ctx: LayerContext) -> None:
         if ctx.step.is_prefill or ctx.layer not in self.filter_layers or self.dense_step(ctx):

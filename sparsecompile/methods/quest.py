@@ -47,7 +47,7 @@ from ..runtime.contract import LayerContext, SparseMethod
 from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import PageSelection, Selection
-from .dense_read import DENSE, DenseReadOfShortBatches, dense_below_option, validate_dense_below
+from .dense_read import DenseReadOfShortBatches, dense_below_option, validate_dense_below
 from .read_stats import ReadCounter
 from .registry import register_method
 
@@ -165,7 +165,7 @@ class QuestRuntime(DenseReadOfShortBatches, SparseMethod):
                 kmax[pages] = torch.where(filled, keys, float("-inf")).amax(1).to(kmax.dtype)
 
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
-        self.reads.prepare(manager, step, dense=step.variant == DENSE)
+        self.reads.prepare(manager, step)
 
     # ---- device hooks
     def _sparse(self, ctx: LayerContext) -> bool:
@@ -178,8 +178,7 @@ class QuestRuntime(DenseReadOfShortBatches, SparseMethod):
         return self._select(ctx)  # the current page's bounds include the new key (written before this hook)
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        if not self.dense_step(ctx):  # a dense step's reads are the slot counts, which the host has
-            self.reads.record(ctx)
+        self.reads.record(ctx)
 
     def _select(self, ctx: LayerContext) -> PageSelection:
         """Top pages of each KV head within the budget; returns pages ``[batch, kv_heads, k]`` (ascending)."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..runtime.compilation import static_address
+from .dense_read import DENSE
 
 if TYPE_CHECKING:
     from ..runtime.cache_manager import CacheManager
@@ -51,20 +52,22 @@ class ReadCounter:
         self._decoded: set[int] = set()  # host: rows whose last step was a decode step
         self._dense: set[int] = set()  # host: rows whose last decode step read every slot (nothing recorded)
 
-    def prepare(self, manager: CacheManager, step: StepState, dense: bool = False) -> None:
-        """Host hook (``prepare_step``): size the buffer; a prefill step starts a row's count afresh. ``dense``: this
-        decode step reads every resident slot of every layer and records nothing (the host knows the count)."""
+    def prepare(self, manager: CacheManager, step: StepState) -> None:
+        """Host hook (``prepare_step``): size the buffer; a prefill step starts a row's count afresh. A ``dense``
+        decode step (``methods/dense_read.py``) reads every resident slot and records nothing (the host knows the
+        count)."""
         layout = manager.layout
         self.read = grow_rows(self.read, manager.max_seqs, (layout.num_layers,), torch.int64, layout.device)
         if step.is_prefill:
             self._decoded.difference_update(step.row_ids)
         else:
             self._decoded.update(step.row_ids)
-            (self._dense.update if dense else self._dense.difference_update)(step.row_ids)
+            (self._dense.update if step.variant == DENSE else self._dense.difference_update)(step.row_ids)
 
     def record(self, ctx: LayerContext) -> None:
-        """Device hook (``on_attention_end``): store ``view.lengths [batch, kv_heads]`` summed over heads."""
-        if ctx.step.is_prefill or ctx.view is None or self.read is None:
+        """Device hook (``on_attention_end``): store ``view.lengths [batch, kv_heads]`` summed over heads (a dense
+        step stores nothing)."""
+        if ctx.step.variant == DENSE or ctx.step.is_prefill or ctx.view is None or self.read is None:
             return
         self.read[ctx.step.rows, ctx.layer] = ctx.view.lengths.sum(dim=1).to(torch.int64)
 
