@@ -20,6 +20,10 @@ Modes in the same invocation, on the same model and engine options:
   then takes longer: ``burst_s``);
 * ``compiled``: ``capped`` with ``compile_prefill`` (the mixed step's forward compiled, attention layers opaque ops:
   ``models/compiled_forward.py``); one warm-up request before the steady window compiles the mixed step's variant.
+* ``replayed`` / ``replayed_compiled``: ``capped`` / ``compiled`` with mixed steps recorded as CUDA graphs and
+  replayed (``mixed_cuda_graphs``, ``runtime/mixed_graphs.py``); the warm-up request's two chunks run the burst's
+  step shape once eagerly and record it (as a server's first steps of that shape would). Every other mode runs with
+  ``mixed_cuda_graphs=False`` (the engine before replays).
 
 Target (issue #13): running streams' p99 during a burst of 64 new 1K-token prompts <= 3x their steady p50.
 Results: ``serving_burst<TAG>.jsonl`` under ``--out``, a table on stdout.
@@ -56,19 +60,48 @@ def _gaps(times: dict[str, list[float]], start: float, stop: float) -> list[floa
     return out
 
 
+class TimedReplays:
+    """Wraps a recorder: each replay of a recorded mixed step is bracketed by CUDA events, so the row can say how
+    much of a burst step is the graph's GPU time and how much the host's work around it."""
+
+    def __init__(self, recorder) -> None:
+        self.recorder, self.events = recorder, []
+
+    def record(self, fn):
+        replay = self.recorder.record(fn)
+
+        def timed():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay()
+            stop.record()
+            self.events.append((start, stop))
+            return out
+
+        return timed
+
+    def gpu_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [start.elapsed_time(stop) for start, stop in self.events]
+
+
 def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
     original = engine_module.pack_chunks
     if mode == "per_chunk":
         engine_module.pack_chunks = lambda chunks, _budget: [[c] for c in chunks]
     capped = ({"max_prefill_tokens_while_decoding": args.while_decoding}
-              if mode.startswith("capped") or mode == "compiled" else {})
-    mixed = mode in ("mixed", "capped", "compiled")
+              if mode.startswith(("capped", "replayed")) or mode == "compiled" else {})
+    mixed = mode in ("mixed", "capped", "compiled", "replayed", "replayed_compiled")
+    compiled = mode in ("compiled", "replayed_compiled")
     llm = LLM(model, args.method, tokenizer=StubTokenizer(), max_num_seqs=args.running + args.burst, **capped,
-              enable_mixed_chunk=mixed, compile_prefill=mode == "compiled",
+              enable_mixed_chunk=mixed, compile_prefill=compiled, mixed_cuda_graphs=mode.startswith("replayed"),
               max_num_batched_tokens=args.budget, compile=args.device == "cuda", cuda_graphs=args.device == "cuda",
               cuda_graph_sizes=[args.running],  # only the running streams decode (a burst request stops at 1 token)
               **METHOD_OPTIONS[args.method])
     engine = llm.llm_engine
+    timed = None
+    if engine.controller.mixed_replays is not None and args.device == "cuda":
+        timed = engine.controller.mixed_replays.recorder = TimedReplays(engine.controller.mixed_replays.recorder)
     try:
         rng = np.random.default_rng(0)
         prompt = lambda: rng.integers(3, 1000, args.prompt).tolist()  # noqa: E731
@@ -90,7 +123,7 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
 
         while any(len(t) < 2 for t in times.values()):  # every running stream is decoding
             step()
-        if mode == "compiled":  # compile the mixed step's forward before anything is timed
+        if compiled or mode.startswith("replayed"):  # compile / record the mixed step before anything is timed
             engine.add_request("warm-up", prompt(), SamplingParams(max_tokens=1, temperature=0))
             while "warm-up" not in {o.request_id for o in step()}:
                 pass
@@ -98,6 +131,7 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
         for _ in range(args.steady_steps):
             step()
         burst_start = time.perf_counter()
+        replays_before = len(timed.events) if timed else 0
         first = set()
         for i in range(args.burst):
             engine.add_request(f"burst-{i}", prompt(), SamplingParams(max_tokens=1, temperature=0))
@@ -107,12 +141,17 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
         steady = _gaps(times, steady_start, burst_start)
         burst = _gaps(times, burst_start, burst_stop)
         row = {"mode": mode, "method": args.method, "running": args.running, "burst": args.burst,
-               "enable_mixed_chunk": mixed,
+               "enable_mixed_chunk": mixed, "compile_prefill": compiled,
+               "replayed_steps": getattr(engine.controller.mixed_replays, "replayed", 0),
                "max_prefill_tokens_while_decoding": capped.get("max_prefill_tokens_while_decoding"),
                "prompt": args.prompt, "budget": args.budget, "steady_p50_ms": 1e3 * float(np.median(steady)),
                "burst_p50_ms": 1e3 * float(np.median(burst)), "burst_p99_ms": 1e3 * float(np.percentile(burst, 99)),
                "burst_s": burst_stop - burst_start}
         row["p99_over_steady_p50"] = row["burst_p99_ms"] / row["steady_p50_ms"]
+        if timed is not None:  # GPU time of the burst's replayed steps (the rest of a step is host work)
+            gpu = timed.gpu_ms()[replays_before:]
+            row.update(replay_gpu_p50_ms=float(np.median(gpu)) if gpu else None,
+                       replay_gpu_p99_ms=float(np.percentile(gpu, 99)) if gpu else None)
         return row
     finally:
         for request_id in list(times):
@@ -130,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--steady-steps", type=int, default=32)
-    parser.add_argument("--modes", default="separate,mixed,capped,capped_separate,compiled",
-                        help="per_chunk, separate, mixed, capped, capped_separate, compiled")
+    parser.add_argument("--modes", default="separate,mixed,capped,capped_separate,compiled,replayed,replayed_compiled",
+                        help="per_chunk, separate, mixed, capped, capped_separate, compiled, replayed, "
+                             "replayed_compiled")
     parser.add_argument("--while-decoding", type=int, default=512, help="the capped mode's prompt tokens per step")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tiny", action="store_true")

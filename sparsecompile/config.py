@@ -133,6 +133,10 @@ class ServingConfig:
     enable_mixed_chunk: bool = option(True, "run a step's decode tokens and all its prompt chunks in one forward (as "
                                             "vLLM batches; SGLang's --enable-mixed-chunk); off: one forward for the "
                                             "decodes, then one per group of chunks of similar lengths")
+    mixed_cuda_graphs: bool = option(True, "record each shape of mixed step (decodes and prompt chunks in one "
+                                           "forward) as a CUDA graph at its second occurrence and replay it after, "
+                                           "for methods whose hooks allow it (vanilla; with cuda_graphs on a GPU); "
+                                           "off: every mixed step runs its forward op by op")
     compile_prefill: bool = option(False, "compile the decoder layers of prefill and mixed-step forwards (one "
                                           "graph for every layer and token count; each layer's attention stays the "
                                           "eager method path, one opaque op): less host time per step, for one "
@@ -158,7 +162,7 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
-        for name in ("enable_mixed_chunk", "compile_prefill", "enable_prefix_caching"):
+        for name in ("enable_mixed_chunk", "mixed_cuda_graphs", "compile_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise MethodConfigError(f"{name} must be True or False, got {_described(getattr(self, name))}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

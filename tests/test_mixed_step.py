@@ -180,3 +180,40 @@ def test_compiled_prefill_forwards_give_the_eager_tokens(monkeypatch):
     assert graphs.frame_count <= 2 < len({shape[1] for shape in ran})
     stats = engine.stats()
     assert stats.free_pages == stats.total_pages
+
+
+def test_replayed_mixed_steps_give_the_eager_tokens():
+    """Recorded mixed steps (``runtime/mixed_graphs.py``), with the CPU stand-in of a CUDA graph: a replay reruns the
+    step over the shape's persistent inputs only, so any input not refilled for the new step (rows, positions,
+    offsets, token ids, kept positions) would show as other tokens. Steps of one shape run eagerly once, then
+    replay; shapes outside the canonical layout (prompt logprobs, too much padding) run the ordinary way."""
+    from sparsecompile import SamplingParams
+    from sparsecompile.runtime.mixed_graphs import RerunRecorder, width_bucket
+
+    assert [width_bucket(w) for w in (1, 16, 17, 24, 25, 33, 48, 49, 97, 300, 512)] == \
+        [16, 16, 24, 24, 32, 48, 48, 64, 128, 384, 512]
+    reference, llm = tiny_llm(max_num_batched_tokens=40, max_num_seqs=4)
+    engine = llm.llm_engine
+    assert not engine.replays_mixed_steps  # CPU: off by default (CUDA graphs)
+    assert engine.controller.replay_mixed_steps(engine.graph_sizes, engine.max_num_batched_tokens, RerunRecorder())
+    replays = engine.controller.mixed_replays
+    prompts = prompts_of(LENGTHS + (45, 30, 16, 16, 16, 16), seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1 if i == 12 else None)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, 12)
+    assert replays.replayed > 0 and len(replays._recorded) > 1
+    _, eager = tiny_llm(max_num_batched_tokens=40, max_num_seqs=4)
+    logprobs = eager.generate(prompts, params, use_tqdm=False)[12].prompt_logprobs
+    assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for a, b in zip(outs[12].prompt_logprobs[1:], logprobs[1:])
+               for t in a)
+    stats = engine.stats()
+    assert stats.free_pages == stats.total_pages
+
+
+def test_methods_that_cannot_replay_mixed_steps_say_so():
+    from sparsecompile.runtime.mixed_graphs import RerunRecorder
+
+    _, llm = tiny_llm("h2o", max_num_batched_tokens=40, budget=16)
+    controller = llm.llm_engine.controller
+    assert not controller.replay_mixed_steps([1, 2, 4], 40, RerunRecorder()) and controller.mixed_replays is None

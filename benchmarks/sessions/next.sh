@@ -361,6 +361,19 @@ regional)  # #13: compile_prefill as regional compilation (one decoder layer com
   timeout -s INT ${BURST_S:-260} python3 benchmarks/serving_burst.py --modes compiled --while-decoding ${CAP:-512} \
     --out "$OUT" --tag _h200_regional${CAP:-512} > "$OUT/burst_regional.log" 2>&1; echo "burst rc=$?"
   tail -3 "$OUT/burst_regional.log"; grep -h "compiled \|compiling" "$OUT/burst_regional.log" | head -6 ;;
+replay)  # #13 item 6: mixed steps recorded as CUDA graphs and replayed (runtime/mixed_graphs.py): GPU tests (fp32 token
+  # equality with eager mixed steps, compiled layers or not), then the burst capped (eager) / replayed / replayed_compiled
+  timeout -s INT 200 $P tests/gpu/test_mixed_cuda.py -k "replayed or vanilla" > "$OUT/gpu_tests_mixed_replay.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" "$OUT/gpu_tests_mixed_replay.log" | tail -8
+  timeout -s INT ${BURST_S:-330} python3 benchmarks/serving_burst.py --modes ${MODES:-replayed,capped,replayed_compiled} \
+    --while-decoding ${CAP:-512} --out "$OUT" --tag _h200_replay${CAP:-512} > "$OUT/burst_replay.log" 2>&1
+  echo "burst rc=$?"; tail -4 "$OUT/burst_replay.log"; grep -h "Error\|compiled \|compiling" "$OUT/burst_replay.log" | head -6 ;;
+replay_b)  # #13: the replayed burst's GPU / host split (replay_gpu_*_ms), at 512 and 256 prompt tokens a step
+  timeout -s INT 200 python3 benchmarks/serving_burst.py --modes replayed_compiled --while-decoding 512 --out "$OUT" \
+    --tag _h200_replay_b512 > "$OUT/burst_replay_b512.log" 2>&1; echo "512 rc=$?"; tail -2 "$OUT/burst_replay_b512.log"
+  timeout -s INT 250 python3 benchmarks/serving_burst.py --modes replayed_compiled,replayed --while-decoding 256 \
+    --out "$OUT" --tag _h200_replay_b256 > "$OUT/burst_replay_b256.log" 2>&1; echo "256 rc=$?"
+  tail -3 "$OUT/burst_replay_b256.log"; cat "$OUT"/serving_burst_h200_replay_b*.jsonl | cut -c1-400 ;;
 regional_profile)  # #13: where a compiled mixed step's host time goes (cProfile, tiny model), burst at 256 (~5 min)
   timeout 200 python3 benchmarks/step_ops.py --compile-prefill --steps 10 --profile 3 --out "$OUT/step_ops_h200_regional.jsonl" \
     > "$OUT/step_profile_regional.log" 2>&1; echo "profile rc=$?"; grep "ops per" "$OUT/step_profile_regional.log"
@@ -417,5 +430,5 @@ export_point)  # #17 one method end to end: export, load phases (tokenizer by it
     --export-timeout 300 --timeout 150 --workdir /tmp/exp --out "$OUT/export_h200_${METHOD:-snapkv}.jsonl" \
     --profile-dir "$OUT/profiles" \
     > "$OUT/export_point.log" 2>&1; echo "rc=$?"; grep -v "^$" "$OUT/export_point.log" | tail -4 | cut -c1-700 ;;
-*) echo "usage: $0 prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|b4_profile|gaps_h2o|verify|verify_b"; exit 2 ;;
+*) echo "usage: $0 replay|replay_b|prefill|e2e_a|e2e_b|llm|burst|mixed|kivi_fix|ops|verify|profile|burst_compiled|burst_compiled256|regional|regional_profile|burst_final|kivi_capacity|programs|export|export_bench|export_load|export_tests|export_point|kivi|kivi_kernel|mass_sweep|mass_ab|mass_ab2|mass|split|b4_profile|gaps_h2o|verify|verify_b"; exit 2 ;;
 esac

@@ -23,3 +23,4 @@ class VanillaRuntime(SparseMethod):
     name = "vanilla"
     config_class = VanillaConfig
     needs_cache_access = False
+    replays_mixed_steps = True

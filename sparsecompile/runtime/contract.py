@@ -139,6 +139,11 @@ class SparseMethod:
     #: the device hooks as ``ctx.step.variant`` (static in a graph: a compiled step keeps one graph per batch size
     #: and variant). The first is the default, the one exported and precompiled decode programs trace and run.
     decode_variants: ClassVar[tuple[str, ...]] = ("",)
+    #: The serving engine may record a mixed step (decodes and prompt chunks in one forward) once per shape as a CUDA
+    #: graph and replay it (``runtime/mixed_graphs.py``): every hook inside the forward and ``finish_step`` is
+    #: device-only and reads nothing per step but the StepState's tensors and the pool (``prepare_step`` keeps no
+    #: per-step tensors for them), and a step's host hooks do not depend on what its forward computed.
+    replays_mixed_steps: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config

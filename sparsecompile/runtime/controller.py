@@ -24,6 +24,7 @@ from .cache_manager import CacheManager, KVLayout
 from .compilation import allow_recompiles, compile_notice, compile_step, static_address
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .mixed import MixedForward, MixedStep
+from .mixed_graphs import CudaGraphRecorder, MixedReplays, Recorder
 from .row_ops import RowOperations, capacity_bucket, table_width
 from .step import StepState, valid_tokens
 
@@ -439,6 +440,16 @@ class SparseController(RowOperations, MixedForward):
             yield
         finally:
             self.variant_override = before
+
+    def replay_mixed_steps(self, decode_sizes: list[int], max_tokens: int, recorder: Recorder | None = None) -> bool:
+        """Record mixed steps per shape and replay them (``runtime/mixed_graphs.py``) when the method allows it
+        (``replays_mixed_steps``, dense storage); returns whether it does. ``recorder``: CUDA graphs by default."""
+        rt = self.runtime
+        if not rt.replays_mixed_steps or rt.storage is not None or rt.needs_prompt_tokens:
+            self.mixed_replays = None
+            return False
+        self.mixed_replays = MixedReplays(self, decode_sizes, max_tokens, recorder or CudaGraphRecorder())
+        return True
 
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""

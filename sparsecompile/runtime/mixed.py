@@ -76,7 +76,10 @@ class MixedStep:
 
 class MixedForward:
     """The controller's many-step forward: a mixin of ``SparseController``, whose step hooks it drives
-    (``_begin``, ``_end``, ``_after_prompts``) over its ``layout``, ``runtime`` and ``manager``."""
+    (``_begin``, ``_end``, ``_after_prompts``) over its ``layout``, ``runtime`` and ``manager``; ``mixed_replays``:
+    its recorded mixed steps (a ``mixed_graphs.MixedReplays``), or None."""
+
+    mixed_replays = None
 
     @torch.no_grad()
     def mixed(self, inner: Callable[..., torch.Tensor], decode_rows: list[int], decode_ids: torch.Tensor | None,
@@ -88,8 +91,13 @@ class MixedForward:
         tensors). Groups: as the engine feeds :meth:`prefill` (one forward each, no further chunking). Returns the
         decode logits ``[decode_batch, 1, vocab]`` (None without decode rows) and, per group, ``[batch, 1, vocab]``
         (last positions) or ``[batch, width, vocab]`` (``logits_to_keep`` 0). The decode part runs eagerly with the
-        ops and hooks of a decode step.
+        ops and hooks of a decode step. With :meth:`~.controller.SparseController.replay_mixed_steps` on, a step that
+        fits a recorded shape replays instead (``runtime/mixed_graphs.py``).
         """
+        if self.mixed_replays is not None:
+            replayed = self.mixed_replays.run(inner, decode_rows, decode_ids, decode_positions, groups)
+            if replayed is not None:
+                return replayed
         device = self.layout.device
         n = len(decode_rows)
         parts: list[StepState] = []

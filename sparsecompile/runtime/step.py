@@ -63,13 +63,10 @@ class StepState:
     def build(rows: list[int], valid: torch.Tensor, positions: torch.Tensor, *, is_prefill: bool,
               is_last_chunk: bool | list[bool], device: torch.device) -> StepState:
         """Build from host data: ``valid [batch, tokens]`` bool and ``positions [batch, tokens]`` (any device)."""
-        valid = valid.to("cpu", torch.bool)
-        positions = positions.to("cpu", torch.int64)
-        offsets = torch.where(valid, valid.long().cumsum(1) - 1, torch.full_like(positions, -1))
-        num_new = valid.long().sum(1)
+        positions, offsets, num_new = _token_fields(valid, positions)
         return StepState(
             rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-            positions=torch.where(valid, positions, torch.full_like(positions, -1)).to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
             new_offsets=offsets.to(device, non_blocking=True),
             num_new=num_new.to(device, non_blocking=True),
             is_prefill=is_prefill,
@@ -77,6 +74,29 @@ class StepState:
             row_ids=list(rows),
             num_new_host=num_new.tolist(),
         )
+
+    def refill(self, rows: list[int], valid: torch.Tensor, positions: torch.Tensor, ends_prompt: list[bool]) -> None:
+        """Take another step's rows and tokens (host data, the same ``[batch, tokens]`` shape) in place: the device
+        tensors keep their addresses (a persistent step that a CUDA graph reads), the host fields are replaced and
+        the per-step fields (variant, dense lengths, slot plan) cleared."""
+        positions, offsets, num_new = _token_fields(valid, positions)
+        if positions.shape != tuple(self.positions.shape) or len(rows) != self.rows.shape[0]:
+            raise ValueError(f"refill: a [{len(rows)}, {positions.shape[1]}] step into a persistent "
+                             f"{list(self.positions.shape)} one")
+        for target, source in ((self.rows, torch.tensor(rows, dtype=torch.int64)), (self.positions, positions),
+                               (self.new_offsets, offsets), (self.num_new, num_new)):
+            target.copy_(source, non_blocking=True)
+        self.row_ids, self.num_new_host, self.ends_prompt = list(rows), num_new.tolist(), list(ends_prompt)
+        self.variant, self.dense_lengths, self.slot_plan = "", None, None
+
+
+def _token_fields(valid: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host ``valid, positions [batch, tokens]`` -> positions (-1 where not valid), new-token offsets (-1 likewise)
+    and ``num_new [batch]``."""
+    valid = valid.to("cpu", torch.bool)
+    positions = positions.to("cpu", torch.int64)
+    offsets = torch.where(valid, valid.long().cumsum(1) - 1, torch.full_like(positions, -1))
+    return torch.where(valid, positions, torch.full_like(positions, -1)), offsets, valid.long().sum(1)
 
 
 def valid_tokens(ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, list[int]]]:

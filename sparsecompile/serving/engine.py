@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..config import ServingConfig
-from ..runtime.compilation import allow_recompiles
+from ..runtime.compilation import allow_recompiles, wanted
 from ..runtime.row_ops import table_width
 from .detokenizer import Detokenizer
 from .interface import ServedModel
@@ -111,6 +111,12 @@ class LLMEngine(StepForwards):
         # one forward per mixed step: needs the patched HF forward (an artifact's programs are traced per phase)
         self._mixes_steps = config.enable_mixed_chunk and isinstance(patched, PatchedServedModel)
         self._forward = patched.inner  # of prefill and mixed steps (decode steps have their own compiled unit)
+        # mixed steps recorded per shape and replayed (CUDA graphs; not under tensor parallelism, whose ranks mirror
+        # rank 0's forwards call by call)
+        self.replays_mixed_steps = (self._mixes_steps and config.mixed_cuda_graphs
+                                    and config.tensor_parallel_size == 1 and self.device.type == "cuda"
+                                    and wanted(c.config.cuda_graphs, self.device)
+                                    and c.replay_mixed_steps(self.graph_sizes, self.max_num_batched_tokens))
         if config.compile_prefill:
             if not isinstance(patched, PatchedServedModel):
                 raise ValueError("compile_prefill applies to a model patched by optimize(); an exported artifact "
