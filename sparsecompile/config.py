@@ -135,8 +135,8 @@ class ServingConfig:
                                             "decodes, then one per group of chunks of similar lengths")
     mixed_cuda_graphs: bool = option(True, "record each shape of mixed step (decodes and prompt chunks in one "
                                            "forward) as a CUDA graph at its second occurrence and replay it after, "
-                                           "for methods whose hooks allow it (vanilla; with cuda_graphs on a GPU); "
-                                           "off: every mixed step runs its forward op by op")
+                                           "for methods whose hooks allow it (vanilla, quest, omnikv; with "
+                                           "cuda_graphs on a GPU); off: every mixed step runs its forward op by op")
     compile_prefill: bool = option(False, "compile the decoder layers of prefill and mixed-step forwards (one "
                                           "graph for every layer and token count; each layer's attention stays the "
                                           "eager method path, one opaque op): less host time per step, for one "

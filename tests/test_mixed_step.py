@@ -182,7 +182,9 @@ def test_compiled_prefill_forwards_give_the_eager_tokens(monkeypatch):
     assert stats.free_pages == stats.total_pages
 
 
-def test_replayed_mixed_steps_give_the_eager_tokens():
+@pytest.mark.parametrize("method,options", [("vanilla", {}),
+                                            ("quest", {"budget": 16, "dense_layers": 0, "dense_below": 0})])
+def test_replayed_mixed_steps_give_the_eager_tokens(method, options):
     """Recorded mixed steps (``runtime/mixed_graphs.py``), with the CPU stand-in of a CUDA graph: a replay reruns the
     step over the shape's persistent inputs only, so any input not refilled for the new step (rows, positions,
     offsets, token ids, kept positions) would show as other tokens. Steps of one shape run eagerly once, then
@@ -192,7 +194,8 @@ def test_replayed_mixed_steps_give_the_eager_tokens():
 
     assert [width_bucket(w) for w in (1, 16, 17, 24, 25, 33, 48, 49, 97, 300, 512)] == \
         [16, 16, 24, 24, 32, 48, 48, 64, 128, 384, 512]
-    reference, llm = tiny_llm(max_num_batched_tokens=40, max_num_seqs=4)
+    reference, llm = tiny_llm(method, max_num_batched_tokens=40, max_num_seqs=4, **options)
+    sparsecompile.optimize(reference, method, page_size=4, prefill_chunk_size=16, **options)
     engine = llm.llm_engine
     assert not engine.replays_mixed_steps  # CPU: off by default (CUDA graphs)
     assert engine.controller.replay_mixed_steps(engine.graph_sizes, engine.max_num_batched_tokens, RerunRecorder())
@@ -203,7 +206,7 @@ def test_replayed_mixed_steps_give_the_eager_tokens():
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, 12)
     assert replays.replayed > 0 and len(replays._recorded) > 1
-    _, eager = tiny_llm(max_num_batched_tokens=40, max_num_seqs=4)
+    _, eager = tiny_llm(method, max_num_batched_tokens=40, max_num_seqs=4, **options)
     logprobs = eager.generate(prompts, params, use_tqdm=False)[12].prompt_logprobs
     assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for a, b in zip(outs[12].prompt_logprobs[1:], logprobs[1:])
                for t in a)

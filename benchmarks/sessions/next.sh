@@ -368,10 +368,13 @@ replay)  # #13 item 6: mixed steps recorded as CUDA graphs and replayed (runtime
   timeout -s INT ${BURST_S:-330} python3 benchmarks/serving_burst.py --modes ${MODES:-replayed,capped,replayed_compiled} \
     --while-decoding ${CAP:-512} --out "$OUT" --tag _h200_replay${CAP:-512} > "$OUT/burst_replay.log" 2>&1
   echo "burst rc=$?"; tail -4 "$OUT/burst_replay.log"; grep -h "Error\|compiled \|compiling" "$OUT/burst_replay.log" | head -6 ;;
-replay_b)  # #13: the replayed burst's GPU / host split (replay_gpu_*_ms), at 512 and 256 prompt tokens a step
-  timeout -s INT 200 python3 benchmarks/serving_burst.py --modes replayed_compiled --while-decoding 512 --out "$OUT" \
+replay_b)  # #13: the replayed burst's GPU / host split (replay_gpu_*_ms), at 512 and 256 prompt tokens a step; first
+  # the GPU tests of replays for quest / omnikv (and vanilla again, after the host-side changes)
+  timeout -s INT 220 $P tests/gpu/test_mixed_cuda.py -k "replayed" > "$OUT/gpu_tests_mixed_replay_b.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" "$OUT/gpu_tests_mixed_replay_b.log" | tail -8
+  timeout -s INT 140 python3 benchmarks/serving_burst.py --modes replayed_compiled --while-decoding 512 --out "$OUT" \
     --tag _h200_replay_b512 > "$OUT/burst_replay_b512.log" 2>&1; echo "512 rc=$?"; tail -2 "$OUT/burst_replay_b512.log"
-  timeout -s INT 250 python3 benchmarks/serving_burst.py --modes replayed_compiled,replayed --while-decoding 256 \
+  timeout -s INT 140 python3 benchmarks/serving_burst.py --modes ${MODES256:-replayed_compiled} --while-decoding 256 \
     --out "$OUT" --tag _h200_replay_b256 > "$OUT/burst_replay_b256.log" 2>&1; echo "256 rc=$?"
   tail -3 "$OUT/burst_replay_b256.log"; cat "$OUT"/serving_burst_h200_replay_b*.jsonl | cut -c1-400 ;;
 regional_profile)  # #13: where a compiled mixed step's host time goes (cProfile, tiny model), burst at 256 (~5 min)

@@ -127,6 +127,7 @@ class OmniKVMemoryOracle(DenseMemoryOracle):
 class OmniKVRuntime(DenseReadOfShortBatches, SparseMethod):
     name = "omnikv"
     config_class = OmniKVConfig
+    replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)
     reads_pool_across_layers = True
 
     def __init__(self, config: OmniKVConfig, model: ModelInfo) -> None:

@@ -111,6 +111,7 @@ class QuestMemoryOracle(DenseMemoryOracle):
 class QuestRuntime(DenseReadOfShortBatches, SparseMethod):
     name = "quest"
     config_class = QuestConfig
+    replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)
 
     def __init__(self, config: QuestConfig, model: ModelInfo) -> None:
         super().__init__(config, model)

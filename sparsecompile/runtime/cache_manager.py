@@ -270,18 +270,22 @@ class CacheManager(SharedPages, SlotAccess):
                              f"the block table holds {maxp * P}")
         owned = self._owned[rows]
         want = -(-new_counts // P)
-        fresh = self.allocator.allocate(int(np.maximum(want - owned, 0).sum()))
-        taken = 0
-        for i, layer in zip(*np.nonzero(want > owned)):
-            row, pages = rows[i], self._pages[rows[i]][layer]
-            have, need = len(pages), int(want[i, layer])
-            new = fresh[taken:taken + need - have]
-            taken += need - have
-            self._host_table[row, layer, have:need] = new
-            self._new_entries.append(np.stack([np.full_like(new, row), np.full_like(new, layer),
-                                               np.arange(have, need), new], axis=1))
-            pages.extend(new.tolist())
-            self._owned[row, layer] = need
+        grows, layers = np.nonzero(want > owned)  # the (row, layer) pairs that take pages, row-major
+        if len(grows):
+            have, need = owned[grows, layers], want[grows, layers]
+            fresh = np.asarray(self.allocator.allocate(int((need - have).sum())), dtype=np.int64)
+            counts = need - have
+            ends = np.cumsum(counts)
+            pair = np.repeat(np.arange(len(grows)), counts)  # each new page's pair
+            row_ids = np.asarray(rows, dtype=np.int64)[grows]
+            index = have[pair] + np.arange(len(fresh)) - (ends - counts)[pair]  # its place in the row's table
+            entries = np.stack([row_ids[pair], layers[pair], index, fresh], axis=1)  # as flush() sends them
+            self._host_table[entries[:, 0], entries[:, 1], entries[:, 2]] = fresh
+            self._new_entries.append(entries)
+            pages = fresh.tolist()
+            for k, (row, layer) in enumerate(zip(row_ids.tolist(), layers.tolist())):
+                self._pages[row][layer].extend(pages[ends[k] - counts[k]:ends[k]])
+            self._owned[row_ids, layers] = need
         self._host_lengths[rows] = np.maximum(self._host_lengths[rows], new_counts)
         self._dirty_lengths.update(rows)
 

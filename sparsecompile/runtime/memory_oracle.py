@@ -7,7 +7,6 @@ cost fits its remaining budget (paper: admission ``c_j(r) <= B_j`` for every res
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 from .cache_manager import KVLayout
@@ -32,7 +31,10 @@ class MemoryOracle(ABC):
         return self.peak_slots_per_layer(prompt_len, generated)
 
     def pages_for(self, slots_per_layer: list[int]) -> int:
-        return sum(math.ceil(s / self.layout.page_size) for s in slots_per_layer)
+        P, slots = self.layout.page_size, list(slots_per_layer)
+        if slots and slots.count(slots[0]) == len(slots):  # every layer alike (dense methods): the scheduler asks
+            return len(slots) * -(-int(slots[0]) // P)  # this per running request and step
+        return sum(-(-int(s) // P) for s in slots)
 
     def resources(self, free_pages: int) -> dict[str, int]:
         """Named budgets still available (unit: pages of ``page_size`` tokens x all KV heads)."""

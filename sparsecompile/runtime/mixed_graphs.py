@@ -281,12 +281,14 @@ class MixedReplays:
         entry.position_ids.copy_(torch.cat(positions)[None], non_blocking=True)
 
     def _check_signature(self, inner: Callable[..., torch.Tensor]) -> None:
-        """Recorded steps hold the addresses of the pool and tables: a new pool (growth, a rebuild) or another
-        forward drops them."""
+        """Recorded steps hold the addresses of the pool and tables, and of the method's per-row buffers: a new pool
+        (growth, a rebuild) or another forward drops them. Method buffers are sized by the pool's rows, pages and
+        table width (``grow_rows``), so those sizes stand for them."""
         m = self.controller.manager
         tensors = (m.k_pool, m.v_pool, m.pos_pool, m.block_table, m.lengths, *m.slot_metadata.values(),
                    *m.page_metadata.values())
-        signature = (id(inner), id(m), *(t.data_ptr() if t is not None else 0 for t in tensors))
+        signature = (id(inner), id(m), m.num_pages, m.max_seqs, m.max_pages_per_seq,
+                     *(t.data_ptr() if t is not None else 0 for t in tensors))
         if signature != self._signature:
             self._recorded.clear()
             self._signature = signature

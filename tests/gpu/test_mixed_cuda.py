@@ -50,11 +50,15 @@ def test_mixed_steps_equal_separate_forwards_on_cuda(method, options):
     assert any({"decode", "prefill"} <= s for s in separate) and not any("mixed" in s for s in separate)
 
 
-@pytest.mark.parametrize("compile_prefill", [False, True])
-def test_replayed_mixed_steps_equal_eager_ones_on_cuda(compile_prefill):
-    """Mixed steps recorded as CUDA graphs (``runtime/mixed_graphs.py``, on by default for vanilla) give the tokens
-    of mixed steps run op by op (fp32), with and without the compiled decoder layers inside the graph; steps really
-    replayed, and every page came back."""
+@pytest.mark.parametrize("method,options,compile_prefill", [
+    ("vanilla", {}, False), ("vanilla", {}, True),
+    ("quest", {"budget": 64, "dense_layers": 0, "dense_below": 0}, False),
+    ("omnikv", {"budget": 64, "filter_layers": "0", "dense_below": 0}, False),
+])
+def test_replayed_mixed_steps_equal_eager_ones_on_cuda(method, options, compile_prefill):
+    """Mixed steps recorded as CUDA graphs (``runtime/mixed_graphs.py``, on by default for the methods that allow
+    it) give the tokens of mixed steps run op by op (fp32), with and without the compiled decoder layers inside the
+    graph, selection methods selecting in the decode part; steps really replayed, and every page came back."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (150, 23, 97, 61, 130, 12, 77, 40, 64, 64,
                                                                           64, 64, 33, 33, 33)]
@@ -62,8 +66,8 @@ def test_replayed_mixed_steps_equal_eager_ones_on_cuda(compile_prefill):
     tokens, replayed = [], []
     for graphs in (True, False):
         _, model = tiny_pair()
-        llm = LLM(model.cuda(), "vanilla", tokenizer=Digits(), mixed_cuda_graphs=graphs,
-                  compile_prefill=compile_prefill, **ENGINE)
+        llm = LLM(model.cuda(), method, tokenizer=Digits(), mixed_cuda_graphs=graphs,
+                  compile_prefill=compile_prefill, **ENGINE, **options)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         engine = llm.llm_engine
         assert engine.replays_mixed_steps == graphs
