@@ -220,3 +220,23 @@ def test_methods_that_cannot_replay_mixed_steps_say_so():
     _, llm = tiny_llm("h2o", max_num_batched_tokens=40, budget=16)
     controller = llm.llm_engine.controller
     assert not controller.replay_mixed_steps([1, 2, 4], 40, RerunRecorder()) and controller.mixed_replays is None
+
+
+def test_a_mixed_step_that_cannot_be_recorded_runs_op_by_op(caplog):
+    """A forward whose recording fails (on CUDA: an op that syncs with the host inside the capture) gives a warning,
+    that step and every later one run the ordinary way, and the tokens stay right."""
+    from sparsecompile.runtime.mixed_graphs import RerunRecorder
+
+    class Failing(RerunRecorder):
+        def record(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    reference, llm = tiny_llm(max_num_batched_tokens=40, max_num_seqs=4)
+    engine = llm.llm_engine
+    engine.controller.replay_mixed_steps(engine.graph_sizes, engine.max_num_batched_tokens, Failing())
+    prompts = prompts_of(LENGTHS + (45, 30, 16, 16, 16, 16), seed=11)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts, GREEDY.max_tokens)
+    replays = engine.controller.mixed_replays
+    assert replays.disabled and replays.replayed == 0
+    assert "could not be recorded" in caplog.text

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from .cache_manager import CacheManager
+from .compilation import logger
 from .contract import SparseMethod
 from .layout import KVLayout
 from .mixed import ChunkGroup, MixedStep
@@ -159,10 +160,11 @@ class MixedReplays:
         self._recorded: dict[MixedShape, _Recorded] = {}
         self._signature: tuple = ()
         self.replayed = 0  # steps replayed so far (tests and benchmarks read it)
+        self.disabled = False  # a forward could not be recorded: every step runs the ordinary way
 
     def shape_of(self, decode_batch: int, groups: list[ChunkGroup]) -> MixedShape | None:
         """The canonical shape of a step, or None when it runs the ordinary way (see the module docstring)."""
-        if not groups or any(keep == 0 for *_, keep, _ in groups):
+        if self.disabled or not groups or any(keep == 0 for *_, keep, _ in groups):
             return None
         padded_decode = 0
         if decode_batch:
@@ -201,13 +203,14 @@ class MixedReplays:
             mixed.save(part)
         variant = parts[0].variant if shape.decode_batch else ""
         forward = self._forward(inner, entry)
-        if variant not in entry.warmed:  # the warm-up: compiles and plans happen here, never inside a capture
+        replay = entry.replays.get(variant)
+        if replay is None and variant in entry.warmed:
+            replay = self._record(forward, entry, variant)
+        if replay is None:  # the warm-up (compiles and plans happen here, never inside a capture), or no graph
             logits = forward()
             entry.warmed.add(variant)
         else:
-            if variant not in entry.replays:
-                entry.replays[variant] = self.recorder.record(forward)
-            logits = entry.replays[variant]()
+            logits = replay()
             self.replayed += 1
         logits = logits[0]
         ended: list[int] = []
@@ -225,6 +228,19 @@ class MixedReplays:
             out.append(logits[row:row + len(rows), None].clone())
             row += len(rows)
         return decode, out
+
+    def _record(self, forward: Replay, entry: _Recorded, variant: str) -> Replay | None:
+        """Record ``forward``; a forward that cannot be recorded (an op that syncs with the host, say) leaves replays
+        off for good (None: this step, and every later one, runs op by op), with a warning naming the reason."""
+        try:
+            replay = entry.replays[variant] = self.recorder.record(forward)
+            return replay
+        except RuntimeError as err:
+            logger.warning("a mixed step could not be recorded as a CUDA graph (%s); mixed steps of %s run op by op "
+                           "from now on", str(err).splitlines()[0], self.controller.runtime.name)
+            self.controller.step = None
+            self.disabled = True
+            return None
 
     def _forward(self, inner: Callable[..., torch.Tensor], entry: _Recorded) -> Replay:
         """The step's device work over the entry's persistent inputs: the forward, then each part's finish."""
