@@ -68,6 +68,13 @@ class MixedStep:
             offset += batch * width * s_token
         return pieces
 
+    def finish(self, runtime: Any, manager: Any) -> None:
+        """Each part's device-side finish (``runtime.finish_step``), with its own plan swapped in."""
+        for part in self.parts:
+            self.load(part)
+            runtime.finish_step(manager, part)
+            self.save(part)
+
     @staticmethod
     def join(outs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Attention outputs ``[batch_i, width_i, heads, D]`` per part -> ``[1, T, heads, D]``."""
@@ -125,25 +132,28 @@ class MixedForward:
             logits = inner(input_ids=torch.cat(ids)[None].to(device), inputs_embeds=None,
                            position_ids=torch.cat(pos)[None].to(device),
                            logits_to_keep=0 if keep is None else keep.to(device))
-            for part in parts:
-                mixed.load(part)
-                self.runtime.finish_step(self.manager, part)
-                mixed.save(part)
+            mixed.finish(self.runtime, self.manager)
         finally:
             self.step = None
+        self._end_parts(inner, mixed)
+        if keep is not None and logits.shape[1] != keep.numel():  # a model without logits_to_keep: every position
+            logits = logits[:, keep.to(logits.device)]
+        logits = logits[0]
+        out = [logits[a:b].unflatten(0, shape) for (a, b), shape in spans]
+        return (out.pop(0) if n else None), out
+
+
+    def _end_parts(self, inner: Callable[..., torch.Tensor], mixed: MixedStep) -> None:
+        """After a mixed forward: each part's host end (``commit_step``), then the method's scoring passes for the
+        prompts that ended."""
         ended: list[int] = []
-        for part in parts:
+        for part in mixed.parts:
             mixed.load(part)
             self._end(part)
             if part.is_prefill:
                 ended += [r for r, done in zip(part.row_ids, part.ends_prompt) if done]
         if ended:
             self._after_prompts(inner, ended)
-        if keep is not None and logits.shape[1] != keep.numel():  # a model without logits_to_keep: every position
-            logits = logits[:, keep.to(logits.device)]
-        logits = logits[0]
-        out = [logits[a:b].unflatten(0, shape) for (a, b), shape in spans]
-        return (out.pop(0) if n else None), out
 
 
 def _kept_positions(n: int, groups: list[ChunkGroup]) -> tuple[torch.Tensor | None, list]:

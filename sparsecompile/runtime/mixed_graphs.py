@@ -56,9 +56,7 @@ class StepDriver(Protocol):
 
     def _begin(self, step: StepState) -> None: ...
 
-    def _end(self, step: StepState) -> None: ...
-
-    def _after_prompts(self, inner: Callable[..., torch.Tensor], rows: list[int]) -> None: ...
+    def _end_parts(self, inner: Callable[..., torch.Tensor], mixed: MixedStep) -> None: ...
 
     def _padding_row(self) -> int: ...
 
@@ -213,14 +211,7 @@ class MixedReplays:
             logits = replay()
             self.replayed += 1
         logits = logits[0]
-        ended: list[int] = []
-        for part in parts:
-            mixed.load(part)
-            c._end(part)
-            if part.is_prefill:
-                ended += [r for r, done in zip(part.row_ids, part.ends_prompt) if done]
-        if ended:
-            c._after_prompts(inner, ended)
+        c._end_parts(inner, mixed)
         n, first = len(decode_rows), shape.decode_batch
         decode = logits[:n, None].clone() if n else None
         out, row = [], first
@@ -253,10 +244,7 @@ class MixedReplays:
                                logits_to_keep=entry.keep)
                 if logits.shape[1] != entry.keep.numel():  # a model without logits_to_keep: every position
                     logits = logits[:, entry.keep]
-                for part in mixed.parts:
-                    mixed.load(part)
-                    c.runtime.finish_step(c.manager, part)
-                    mixed.save(part)
+                mixed.finish(c.runtime, c.manager)
             finally:
                 c.step = None
             return logits
