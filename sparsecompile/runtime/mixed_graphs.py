@@ -17,8 +17,8 @@ logprobs), more padding than real tokens, more tokens than the step budget, a de
 The first step of a shape runs eagerly in that layout (its warm-up: Triton and inductor compiles, cuBLAS plans, all
 outside a capture); the second is recorded and replayed; later ones replay. Inside a recorded step nothing may read
 host data that changes between steps: the parts are persistent :class:`StepState` objects refilled in place before
-each step, their slot plans stay off (each layer maps its slots from the device tables, as a compiled decode step
-does) and so do the prefill parts' dense lengths (the Triton prefill kernel reads the lengths on the device). The
+each step, their slot plans are computed inside the recorded forward (from the device tables, at replay time) and
+the prefill parts' dense lengths stay off (the Triton prefill kernel reads the lengths on the device). The
 method vouches for the rest (``SparseMethod.replays_mixed_steps``).
 """
 
@@ -239,6 +239,8 @@ class MixedReplays:
 
         def forward() -> torch.Tensor:
             c.step = mixed
+            for part in mixed.parts:  # every layer's slots and tables in a dozen ops on the device, inside the graph
+                part.slot_plan = c.manager.slot_plan(part)  # (mapped per layer and part, ~15 kernels each: ~1,000)
             try:
                 logits = inner(input_ids=entry.input_ids, inputs_embeds=None, position_ids=entry.position_ids,
                                logits_to_keep=entry.keep)
@@ -247,6 +249,8 @@ class MixedReplays:
                 mixed.finish(c.runtime, c.manager)
             finally:
                 c.step = None
+                for part in mixed.parts:
+                    part.slot_plan = None
             return logits
 
         return forward
