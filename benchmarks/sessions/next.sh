@@ -37,6 +37,12 @@
 #   bash benchmarks/sessions/next.sh verify_variants  # #14 item 3: GPU tests after the per-variant programs     ~8 min
 #   bash benchmarks/sessions/next.sh omnikv_rule      # #14 item 3: OmniKV's dense read at short points           ~7 min
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
+#   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
+#   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-03 second session: replay, replay_b (twice: before / after the slot plan inside the graph), the mixed GPU
+# tests with replays on by default (by hand). Order for the next one: user_points POINT=131072x1 NEW=513 (h2o vs
+# snapkv); profile METHODS=quest,omnikv (first call, dense graph only); export + verify_b; 32Kx16 / 128Kx4 user points;
+# the burst without the cap (MODES=replayed_compiled CAP=8192) for the record.
 # 2026-12-02 third session: regional (compile_prefill as regional compilation: GPU mixed tests passed, burst 512),
 # regional_profile, burst_final (eager capped vs compiled in one run), kivi (points), kivi_bench --stage capacity
 # (kivi2 38; snapkv+kivi's decode at 1,664 was cut by the budget: rerun it alone with --points / a longer call).
