@@ -212,6 +212,10 @@ def test_replayed_mixed_steps_give_the_eager_tokens(method, options):
                for t in a)
     stats = engine.stats()
     assert stats.free_pages == stats.total_pages
+    m = engine.controller.manager  # recorded steps hold the pool's addresses: a grown pool voids them
+    assert not replays._stale(engine._forward)
+    m.grow(m.num_pages + 64, m.max_seqs, m.max_pages_per_seq)
+    assert replays._stale(engine._forward) and not replays._stale(engine._forward)
 
 
 def test_methods_that_cannot_replay_mixed_steps_say_so():

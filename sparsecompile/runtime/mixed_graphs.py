@@ -189,7 +189,6 @@ class MixedReplays:
         if shape is None:
             return None
         c = self.controller
-        self._check_signature(inner)
         entry = self._recorded.get(shape)
         if entry is None:
             entry = self._recorded[shape] = _Recorded(shape, [c.runtime, c.manager.storage], c.layout.device)
@@ -199,6 +198,10 @@ class MixedReplays:
             c._begin(part)
             part.dense_lengths = None  # the sync-free Triton path, whatever the lengths (a graph reads them anew)
             mixed.save(part)
+        if self._stale(inner):  # after the parts' begin, which may have grown the pool: nothing recorded holds
+            self._recorded = {shape: entry}
+            entry.replays.clear()
+            entry.warmed.clear()
         variant = parts[0].variant if shape.decode_batch else ""
         forward = self._forward(inner, entry)
         replay = entry.replays.get(variant)
@@ -288,15 +291,14 @@ class MixedReplays:
         entry.input_ids.copy_(torch.cat(ids)[None], non_blocking=True)
         entry.position_ids.copy_(torch.cat(positions)[None], non_blocking=True)
 
-    def _check_signature(self, inner: Callable[..., torch.Tensor]) -> None:
-        """Recorded steps hold the addresses of the pool and tables, and of the method's per-row buffers: a new pool
-        (growth, a rebuild) or another forward drops them. Method buffers are sized by the pool's rows, pages and
-        table width (``grow_rows``), so those sizes stand for them."""
+    def _stale(self, inner: Callable[..., torch.Tensor]) -> bool:
+        """Whether the recorded steps are stale: they hold the addresses of the pool and tables, and of the method's
+        per-row buffers, so a new pool (growth, a rebuild) or another forward voids them. Method buffers are sized by
+        the pool's rows, pages and table width (``grow_rows``), so those sizes stand for them."""
         m = self.controller.manager
         tensors = (m.k_pool, m.v_pool, m.pos_pool, m.block_table, m.lengths, *m.slot_metadata.values(),
                    *m.page_metadata.values())
         signature = (id(inner), id(m), m.num_pages, m.max_seqs, m.max_pages_per_seq,
                      *(t.data_ptr() if t is not None else 0 for t in tensors))
-        if signature != self._signature:
-            self._recorded.clear()
-            self._signature = signature
+        stale, self._signature = signature != self._signature, signature
+        return stale
