@@ -3,9 +3,9 @@ a CUDA graph, then replayed.
 
 Why: a mixed step's forward runs op by op. On the H200 a step carrying a 512-token prompt chunk beside 8 decodes of
 the 8B shape took 44-72 ms, eager or with its decoder layers compiled (``results/serving_burst_h200_regional*``),
-against ~14 ms of GPU work: host time per op, per layer, per part (the attention callbacks above all). Replayed, the
-forward costs one launch, and running streams keep close to their decode-step pace while a burst of prompts is
-prefilled (issue #13, item 6).
+against 15-18 ms of GPU work (the replay's, timed): host time per op, per layer, per part (the attention callbacks
+above all). Replayed, the forward costs one launch, and running streams keep close to their decode-step pace while a
+burst of prompts is prefilled (issue #13, item 6).
 
 What a graph is recorded for (:class:`MixedShape`, the canonical layout): the decode part padded to one of the
 engine's decode graph sizes with the controller's padding row (no token written, nothing read), all chunk groups
