@@ -2,7 +2,7 @@
 
 Run through ``benchmarks/kernels.py --only kivi [--sweep] [--quick]``. Shapes: the Llama-3.1-8B attention (8 KV
 heads, 32 query heads, head_dim 128), KIVI pages of 32 slots, group 32, residual 128 (its ring holds 160 slots),
-fp16 scales, bf16 residual. Decode rows read every resident slot of every sequence; the bytes a call must read are
+bf16 scales (``scale_dtype="auto"`` of a bf16 model), bf16 residual. Decode rows read every resident slot of every sequence; the bytes a call must read are
 the codes (``2 * 128 * bits / 8`` per slot), the value scales and zeros (16 B per slot), the key scales and zeros
 (512 B per group), the positions (4 B per slot), the residual (512 B per slot) and the page table, and the row
 reports them against the bandwidth measured in the same run. Times are medians of CUDA-graph replays cycling
@@ -21,14 +21,15 @@ from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
 
 KV_HEADS, GROUP_Q, DIM, PAGE, G, RESIDUAL = 8, 4, 128, 32, 32, 128
 RING = RESIDUAL + G
+SCALES = torch.bfloat16  # the "auto" scale dtype of a bf16 model
 
 
 def _pages(num_pages: int, bits: int) -> tuple[torch.Tensor, ...]:
     words = DIM * bits // 32
     codes = [torch.randint(-(2**31), 2**31 - 1, (num_pages, KV_HEADS, PAGE, words), dtype=torch.int32,
                            device="cuda") for _ in range(2)]
-    meta = [torch.rand(num_pages, KV_HEADS, PAGE // G, DIM, device="cuda").half() for _ in range(2)]
-    vmeta = [torch.rand(num_pages, KV_HEADS, PAGE, DIM // G, device="cuda").half() for _ in range(2)]
+    meta = [torch.rand(num_pages, KV_HEADS, PAGE // G, DIM, device="cuda").to(SCALES) for _ in range(2)]
+    vmeta = [torch.rand(num_pages, KV_HEADS, PAGE, DIM // G, device="cuda").to(SCALES) for _ in range(2)]
     return (*codes, *meta, *vmeta)
 
 
@@ -66,8 +67,8 @@ def kivi_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dic
     rows = []
     configs = [None]
     if sweep:
-        configs += [{"block_f": 32, "num_warps": w, "num_stages": 2, "target_programs": tp, "groups_per_tile": ng}
-                    for ng in (1, 4, 8) for w in (4, 8) for tp in (264, 1056, 2112)]
+        configs += [{"block_f": 32, "num_warps": w, "num_stages": st, "target_programs": tp}
+                    for w in (1, 2) for st in (2, 3, 4) for tp in (1056, 2112, 4224)]
     for bits in (2, 4):
         for batch, context in ((1, 32768), (16, 32768), (1, 131072), (4, 131072)):
             info = {"kernel": f"kivi_decode_attention {bits}-bit", "batch": batch, "context": context,

@@ -11,6 +11,7 @@ import torch
 
 from sparsecompile.kernels import kivi_quant as kq
 from sparsecompile.kernels.kivi_attention import (
+    fast_path_supported,
     kivi_decode_attention_reference,
     kivi_decode_attention_triton,
     kivi_view_kv,
@@ -69,14 +70,18 @@ def test_pack_roundtrip(bits):
     words = kq.pack_codes(codes, bits)
     assert words.dtype == torch.int32 and words.shape == (3, 5, 64 * bits // 32)
     assert torch.equal(kq.unpack_codes(words, bits), codes)
-    # channel c sits in word c // (32 / bits) at bit (c % (32 / bits)) * bits
-    c = 37
-    per = 32 // bits
-    assert int((words[1, 2, c // per].item() >> ((c % per) * bits)) & (2**bits - 1)) == codes[1, 2, c].item()
+    # channel c sits in byte c % B (B = 64 * bits / 8 bytes a slot) at bit (c // B) * bits; byte j in word j // 4
+    # at bit (j % 4) * 8
+    nbytes = 64 * bits // 8
+    for c in (0, 5, 37, 63):
+        j, shift = c % nbytes, (c // nbytes) * bits
+        word = int(words[1, 2, j // 4].item()) & 0xFFFFFFFF
+        assert (word >> ((j % 4) * 8 + shift)) & (2**bits - 1) == codes[1, 2, c].item()
 
 
-# Toy sizes the Triton kernels accept (groups and head dims are powers of two >= 16): page 32, group 16, dim 32.
-PAGE, GROUP, DIM, HEADS, RING = 32, 16, 32, 2, 48
+# Toy sizes the Triton kernels accept (the decode kernel's chunks: 16 channels, over one (2-bit) or two (4-bit)
+# 16-byte blocks): page 32, group 16, dim 64.
+PAGE, GROUP, DIM, HEADS, RING = 32, 16, 64, 2, 48
 
 
 def make_pages(num_pages=10, bits=2, dtype=torch.float16):
@@ -182,13 +187,12 @@ def test_decode_reference_equals_dense_attention_over_dequantized_floats(window)
 
 
 @needs_triton
-@pytest.mark.parametrize("bits,splits,groups_per_tile", [(2, 3, 1), (4, 1, 2), (2, 2, 4)])  # 4 groups: 2 pages
-def test_triton_decode_matches_reference(bits, splits, groups_per_tile):
+@pytest.mark.parametrize("bits,splits", [(2, 3), (4, 1), (2, 2)])
+def test_triton_decode_matches_reference(bits, splits):
     args = decode_case(bits=bits, window=60 if splits == 3 else 0, seed=bits)
-    assert kq.triton_supported(GROUP, DIM)  # the Triton kernel runs, not its fallback
+    assert fast_path_supported(GROUP, DIM, bits)  # the Triton kernel runs, not its fallback
     want = kivi_decode_attention_reference(*args)
-    got = kivi_decode_attention_triton(*args, num_splits=splits,
-                                       config={"block_f": 16, "groups_per_tile": groups_per_tile})
+    got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16})
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 

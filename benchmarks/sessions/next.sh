@@ -345,6 +345,18 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernels.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+kivi_v2)  # #20: the transposed KIVI decode kernel (codes as the MMA's first operand, dequantized in its registers):
+  # GPU tests at real sizes, then the launch-configuration sweep at 32K / 128K (~5 min)
+  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_v2.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_v2.log" | tail -6
+  timeout -s INT 330 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v2_sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -E '"config": "default"|best_of_sweep|error' "$OUT/kivi_v2_sweep.log" | cut -c1-330 | tail -16 ;;
+kivi_v2_points)  # #20: decode through the engine step with the new kernel at 128K x 4 (vanilla, kivi 2 / 4 bits,
+  # snapkv+kivi) and 32K x 1 (~6 min), after the kernel rows with bf16 scales (the "auto" default)
+  timeout -s INT 100 python3 benchmarks/kernels.py --only kivi --quick --out "$OUT" > "$OUT/kivi_v2_bf16.log" 2>&1
+  echo "kernels rc=$?"; grep -E '"config": "default"' "$OUT/kivi_v2_bf16.log" | cut -c1-200
+  timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
+    --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
 kivi)
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage points --out "$OUT/kivi_h200.jsonl" \
     > "$OUT/kivi.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/kivi.log" ;;

@@ -20,7 +20,7 @@ import torch
 from .kivi_quant import dequantize_keys, dequantize_values, storage_bits, triton_supported, unpack_codes
 from .library import define_op
 from .pool import launch_inputs, visibility
-from .tiles import natural_lse, query_rows, softmax_step, visible
+from .tiles import visible
 
 try:
     import triton
@@ -90,29 +90,76 @@ def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, 
     return o.reshape(batch, q_heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def _code_asm(bits: int, shift: int, dtype: torch.dtype) -> str:
+    """PTX of :func:`_dequantize` for four codes: the ``bits``-bit code at bit ``shift`` of each byte of ``$2``,
+    dequantized as ``code * scale + zero`` (``$3, $4`` scales and ``$5, $6`` zeros, two 16-bit floats each) into
+    ``$0, $1``. Exact int -> float without a conversion instruction: a byte permute puts each code under the exponent
+    of ``2^7`` (bf16 ``0x43XX`` = 128 + code) or ``2^10`` (fp16 ``0x64XX`` = 1024 + code), an exact subtraction
+    leaves the code, and one fused multiply-add rounds ``code * scale + zero`` once."""
+    mask = "0x03030303" if bits == 2 else "0x0F0F0F0F"
+    if dtype == torch.bfloat16:
+        magic, one, minus, ty = "0x43434343", "0x3F803F80", "0xC300C300", "bf16x2"
+    else:
+        magic, one, minus, ty = "0x64646464", "0x3C003C00", "0xE400E400", "f16x2"
+    codes = f"shr.b32 t, $2, {shift}; and.b32 t, t, {mask};" if shift else f"and.b32 t, $2, {mask};"
+    return ("{ .reg .b32 t, c, one, m, u0, u1; " + codes + f" mov.b32 c, {magic};"
+            " prmt.b32 u0, t, c, 0x5140; prmt.b32 u1, t, c, 0x7362;"
+            f" mov.b32 one, {one}; mov.b32 m, {minus};"
+            f" fma.rn.{ty} u0, u0, one, m; fma.rn.{ty} u1, u1, one, m;"
+            f" fma.rn.{ty} $0, u0, $3, $5; fma.rn.{ty} $1, u1, $4, $6; }}")
+
+
+def chunk_layout(dim: int, bits: int, group: int) -> tuple[int, int]:
+    """``(C, B)``: the decode kernel's channel chunk and the bytes per slot (``kivi_quant``'s byte layout). Chunk
+    ``i`` holds channels ``[i * C, (i + 1) * C)``, inside one value group (``C <= group``), stored at bit
+    ``(i * C // B) * bits`` of bytes ``[(i * C) % B, (i * C) % B + C)``."""
+    nbytes = dim * bits // 8
+    return min(32, nbytes, group), nbytes
+
+
+def fast_path_supported(group: int, dim: int, bits: int) -> bool:
+    """Shapes of the Triton decode kernel: 2 or 4 chunks of 16 or 32 channels over one or two byte blocks (the
+    Llama / Qwen / Mistral head dim 128 and SmolLM2's 64, 2 or 4 bits, groups of 16 and more); others run the
+    torch reference."""
+    if bits not in (2, 4) or not triton_supported(group, dim):
+        return False
+    chunk, nbytes = chunk_layout(dim, bits, group)
+    return chunk >= 16 and nbytes in (chunk, 2 * chunk) and dim // chunk in (2, 4)
+
+
 if triton is not None:
     from .paged_attention import _combine_kernel, _num_splits
 
     @triton.jit
-    def _unpack(words, ROWS: tl.constexpr, W: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr):
-        """``[ROWS, W]`` int32 words -> ``[ROWS, W * PER_WORD]`` fp32 codes (channel order)."""
-        shifts = tl.arange(0, PER_WORD) * BITS
-        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        # exact int -> float without a conversion instruction: the code in the mantissa of 2^23
-        f = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return tl.reshape(f, (ROWS, W * PER_WORD))
+    def _dequantize(x, scale, zero, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+        """uint8 bytes ``x`` -> ``code * scale + zero`` in ``DT`` (``scale`` / ``zero`` broadcast to ``x``'s shape):
+        PTX over four codes a register (``ASM``, a :func:`_code_asm` string) or integer ops and fp32 math (the
+        interpreter, fp32 queries, scales of another dtype)."""
+        if ASM != "" and DT == tl.bfloat16:
+            return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r", [x, scale, zero],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+        elif ASM != "":
+            return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r", [x, scale, zero],
+                                             dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            codes = ((x.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)).to(tl.float32)
+            return (codes * scale.to(tl.float32) + zero.to(tl.float32)).to(DT)
 
     @triton.jit
-    def _repeat(x, ROWS: tl.constexpr, COLS: tl.constexpr, TIMES: tl.constexpr):
-        """``[ROWS, COLS]`` -> ``[ROWS, COLS * TIMES]``, each column repeated ``TIMES`` times in place (per-group
-        metadata spread over its channels or slots in registers: loading it per channel costs one load per element,
-        and the load units, not the bytes, then bound the kernel)."""
-        return tl.reshape(tl.broadcast_to(x[:, :, None], (ROWS, COLS, TIMES)), (ROWS, COLS * TIMES))
+    def _mma(a, b, acc, DT: tl.constexpr):
+        if DT == tl.float32:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
 
     @triton.jit
-    def _repeat_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, TIMES: tl.constexpr):
-        """``[ROWS, COLS]`` -> ``[ROWS * TIMES, COLS]``, each row repeated ``TIMES`` times in place."""
-        return tl.reshape(tl.broadcast_to(x[:, None, :], (ROWS, TIMES, COLS)), (ROWS * TIMES, COLS))
+    def _online(s, m_i, l_i):
+        """Online softmax over a transposed tile ``s [slots, rows]`` of base-2 logits (-inf = masked)."""
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay NaN-free
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, 0)
 
     @triton.jit
     def _kivi_decode_kernel(Q, KC, VC, KS, KZ, VS, VZ, POS, RK, RV, RROWS, INDEX, LENGTHS, QUANT, QPOS,
@@ -122,126 +169,147 @@ if triton is not None:
                             scale, window, num_queries,
                             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, BITS: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_F: tl.constexpr, NG: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
-        """One program: every query head of one (sequence, kv_head) over one split of its slots. A quantized tile is
-        ``NG`` key groups (of one page or several): with one group the key scales fold into the query, with more the
-        keys are dequantized in registers. Larger tiles issue more independent loads per iteration: the page-id ->
-        codes -> scores -> values chain of one iteration is latency, and a 32-slot tile of 2-bit codes carries too
-        few bytes to hide it."""
+                            BLOCK_F: tl.constexpr, C: tl.constexpr, NUM_SPLITS: tl.constexpr, DT: tl.constexpr,
+                            ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr):
+        """One program: every query row of one (sequence, kv_head) over one split of its slots, computed transposed
+        so the stored codes are the MMAs' first operand: ``s^T [slots, rows] = sum_i K_i [slots, C] . q_i^T`` and
+        ``o_i^T [C, rows] += V_i^T [C, slots] . p^T`` per channel chunk ``i``. The compiler then moves the packed
+        bytes, not the dequantized floats, into the MMA operand layout; each register of four codes is dequantized
+        there by ``ASM_i``. A quantized tile is one key group (its key scales per channel, values' per slot)."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
-        PER_WORD: tl.constexpr = 32 // BITS
-        W: tl.constexpr = D // PER_WORD
+        B: tl.constexpr = D * BITS // 8
+        NCH: tl.constexpr = D // C
         rows = tl.arange(0, BLOCK_M)  # row = query * GROUP + head-in-group
-        q, qpos, t, qh, row_ok, d, _ = query_rows(Q, QPOS, b, h, rows, stride_qb, stride_qh, stride_qt, stride_pb,
-                                                  num_queries, GROUP, D, D)
-        q = q.to(tl.float32)
-        qpos = qpos.to(tl.int64)
-        qk_scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
+        t = rows // GROUP
+        qh = h * GROUP + rows % GROUP
+        row_ok = t < num_queries
+        c = tl.arange(0, C)
+        qpos = tl.load(QPOS + b * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)  # positions < 2^31
+        # q^T chunks [C, rows], pre-scaled to base-2 logits
+        qp = Q + b * stride_qb + qh[None, :] * stride_qh + t[None, :] * stride_qt + c[:, None]
+        qk = tl.cast(scale, tl.float32) * 1.4426950408889634  # inductor passes Python floats as fp64
+        q0 = (tl.load(qp, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk).to(DT)
+        q1 = (tl.load(qp + C, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk).to(DT)
+        q2 = q0
+        q3 = q1
+        if NCH == 4:
+            q2 = (tl.load(qp + 2 * C, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk).to(DT)
+            q3 = (tl.load(qp + 3 * C, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk).to(DT)
         length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
         quant = tl.load(QUANT + b).to(tl.int32)
-        TILE: tl.constexpr = NG * G
-        per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), TILE) * TILE  # tile-aligned: a tile never crosses a page
+        per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), G) * G  # group-aligned: a tile never crosses a page
         lo = split * per_split
         hi = tl.minimum(length, lo + per_split)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        a0 = tl.zeros([C, BLOCK_M], tl.float32)
+        a1 = tl.zeros([C, BLOCK_M], tl.float32)
+        a2 = tl.zeros([C, BLOCK_M], tl.float32)
+        a3 = tl.zeros([C, BLOCK_M], tl.float32)
         index = INDEX + b * stride_ib + h * stride_ih
-        tok = tl.arange(0, TILE)
-        gi = tl.arange(0, NG)
-        w = tl.arange(0, W)
+        tok = tl.arange(0, G)
         VG: tl.constexpr = D // G  # value groups per slot
-        vg = tl.arange(0, VG)
         qhi = tl.minimum(hi, quant)
-        for start in range(lo, qhi, TILE):  # quantized slots
-            tm = start + tok < qhi
-            if NG == 1:  # one group never crosses a page (G divides P): one page id per tile
-                page = tl.load(index + start // PAGE).to(tl.int64)
-                slot = (page * KV_HEADS + h) * PAGE + start % PAGE + tok  # rows of the [pages, heads, P] layout
-                grp = (page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G
-            else:  # a tile of several groups may span pages: a page id per slot (repeated addresses, one fetch each)
-                j = start + tok
-                pages = tl.load(index + j // PAGE, mask=tm, other=0).to(tl.int64)
-                slot = (pages * KV_HEADS + h) * PAGE + j % PAGE
-                jg = start + gi * G  # the first slot of each group of the tile
-                gm = jg < qhi
-                gpages = tl.load(index + jg // PAGE, mask=gm, other=0).to(tl.int64)
-                kg = (gpages * KV_HEADS + h) * (PAGE // G) + (jg % PAGE) // G  # [NG] key-group rows
-            kcodes = _unpack(tl.load(KC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
-                             PER_WORD, BITS)
-            if NG == 1:  # one group: (q * scale) . codes + q . zero
-                ks = tl.load(KS + grp * D + d).to(tl.float32)
-                kz = tl.load(KZ + grp * D + d).to(tl.float32)
-                bias = tl.sum(q * kz[None, :], 1)
-                qs = q * ks[None, :]
-                if IEEE:
-                    s = tl.dot(qs, tl.trans(kcodes), input_precision="ieee")
-                else:
-                    s = tl.dot(qs.to(tl.bfloat16), tl.trans(kcodes.to(tl.bfloat16)))
-                s = s + bias[:, None]
-            else:  # several groups: dequantize the keys (each group's scales and zeros read once, spread over G slots)
-                kmeta = kg[:, None] * D + d[None, :]
-                ks = _repeat_rows(tl.load(KS + kmeta, mask=gm[:, None], other=0.0).to(tl.float32), NG, D, G)
-                kz = _repeat_rows(tl.load(KZ + kmeta, mask=gm[:, None], other=0.0).to(tl.float32), NG, D, G)
-                k = kcodes * ks + kz
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
-            s = s * qk_scale
-            kpos = tl.load(POS + slot, mask=tm, other=-1).to(tl.int64)
-            s = tl.where(visible(kpos, qpos, window), s, float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
-            vcodes = _unpack(tl.load(VC + slot[:, None] * W + w[None, :], mask=tm[:, None], other=0), TILE, W,
-                             PER_WORD, BITS)
-            # a slot's value scales and zeros: D // G of each, loaded once and spread over their channels
-            vmeta = slot[:, None] * VG + vg[None, :]
-            vs = _repeat(tl.load(VS + vmeta, mask=tm[:, None], other=0.0).to(tl.float32), TILE, VG, G)
-            vz = _repeat(tl.load(VZ + vmeta, mask=tm[:, None], other=0.0).to(tl.float32), TILE, VG, G)
-            v = vcodes * vs + vz
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
-        ring_row = tl.load(RROWS + b).to(tl.int64)
-        ring = ring_row * stride_rr + h * stride_rh
+        for start in range(lo, qhi, G):  # quantized slots: whole groups (quant and the splits are group-aligned)
+            page = tl.load(index + start // PAGE).to(tl.int64)
+            slot = (page * KV_HEADS + h) * PAGE + start % PAGE + tok  # rows of the [pages, heads, P] layout
+            ks = KS + ((page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G) * D + c  # chunk 0 of the group
+            kz = KZ + ((page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G) * D + c
+            kb0 = tl.load(KC + slot[:, None] * B + c[None, :])  # [G, C] bytes (two blocks when B = 2C)
+            kb1 = kb0
+            if B > C:
+                kb1 = tl.load(KC + slot[:, None] * B + C + c[None, :])
+            s = _mma(_dequantize(kb0, tl.broadcast_to(tl.load(ks).to(DT)[None, :], (G, C)),
+                                 tl.broadcast_to(tl.load(kz).to(DT)[None, :], (G, C)), 0, BITS, ASM0, DT), q0,
+                     tl.zeros([G, BLOCK_M], tl.float32), DT)
+            s = _mma(_dequantize(kb1, tl.broadcast_to(tl.load(ks + C).to(DT)[None, :], (G, C)),
+                                 tl.broadcast_to(tl.load(kz + C).to(DT)[None, :], (G, C)), (C // B) * BITS, BITS, ASM1, DT),
+                     q1, s, DT)
+            if NCH == 4:
+                s = _mma(_dequantize(kb0, tl.broadcast_to(tl.load(ks + 2 * C).to(DT)[None, :], (G, C)),
+                                     tl.broadcast_to(tl.load(kz + 2 * C).to(DT)[None, :], (G, C)), (2 * C // B) * BITS,
+                                     BITS, ASM2, DT), q2, s, DT)
+                s = _mma(_dequantize(kb1, tl.broadcast_to(tl.load(ks + 3 * C).to(DT)[None, :], (G, C)),
+                                     tl.broadcast_to(tl.load(kz + 3 * C).to(DT)[None, :], (G, C)), (3 * C // B) * BITS,
+                                     BITS, ASM3, DT), q3, s, DT)
+            kpos = tl.load(POS + slot)
+            s = tl.where(tl.trans(visible(kpos, qpos, window)), s, float("-inf"))
+            m_i, alpha, p, l_i = _online(s, m_i, l_i)
+            p = p.to(DT)
+            vb0 = tl.load(VC + slot[None, :] * B + c[:, None])  # [C, G] bytes
+            vb1 = vb0
+            if B > C:
+                vb1 = tl.load(VC + slot[None, :] * B + C + c[:, None])
+            vm = slot * VG + (0 * C) // G  # a slot's scale / zero of chunk i: VS[slot * VG + i * C // G]
+            a0 = _mma(_dequantize(vb0, tl.broadcast_to(tl.load(VS + vm).to(DT)[None, :], (C, G)),
+                                  tl.broadcast_to(tl.load(VZ + vm).to(DT)[None, :], (C, G)), 0, BITS, ASM0, DT), p,
+                      a0 * alpha[None, :], DT)
+            a1 = _mma(_dequantize(vb1, tl.broadcast_to(tl.load(VS + vm + C // G).to(DT)[None, :], (C, G)),
+                                  tl.broadcast_to(tl.load(VZ + vm + C // G).to(DT)[None, :], (C, G)), (C // B) * BITS, BITS,
+                                  ASM1, DT), p, a1 * alpha[None, :], DT)
+            if NCH == 4:
+                a2 = _mma(_dequantize(vb0, tl.broadcast_to(tl.load(VS + vm + 2 * C // G).to(DT)[None, :], (C, G)),
+                                      tl.broadcast_to(tl.load(VZ + vm + 2 * C // G).to(DT)[None, :], (C, G)),
+                                      (2 * C // B) * BITS, BITS, ASM2, DT), p, a2 * alpha[None, :], DT)
+                a3 = _mma(_dequantize(vb1, tl.broadcast_to(tl.load(VS + vm + 3 * C // G).to(DT)[None, :], (C, G)),
+                                      tl.broadcast_to(tl.load(VZ + vm + 3 * C // G).to(DT)[None, :], (C, G)),
+                                      (3 * C // B) * BITS, BITS, ASM3, DT), p, a3 * alpha[None, :], DT)
+        ring = RK + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
+        vring = RV + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
         for start in range(tl.maximum(lo, quant), hi, BLOCK_F):  # the full-precision residual
             j = start + tl.arange(0, BLOCK_F)
             jm = j < hi
-            ridx = j % RING
-            k = tl.load(RK + ring + ridx[:, None] * stride_rs + d[None, :], mask=jm[:, None], other=0.0)
-            v = tl.load(RV + ring + ridx[:, None] * stride_rs + d[None, :], mask=jm[:, None], other=0.0)
+            kr = ring + (j % RING)[:, None] * stride_rs + c[None, :]  # [BLOCK_F, C]
+            vr = vring + (j % RING)[None, :] * stride_rs + c[:, None]  # [C, BLOCK_F]
+            s = _mma(tl.load(kr, mask=jm[:, None], other=0.0).to(DT), q0, tl.zeros([BLOCK_F, BLOCK_M], tl.float32),
+                     DT)
+            s = _mma(tl.load(kr + C, mask=jm[:, None], other=0.0).to(DT), q1, s, DT)
+            if NCH == 4:
+                s = _mma(tl.load(kr + 2 * C, mask=jm[:, None], other=0.0).to(DT), q2, s, DT)
+                s = _mma(tl.load(kr + 3 * C, mask=jm[:, None], other=0.0).to(DT), q3, s, DT)
             page = tl.load(index + j // PAGE, mask=jm, other=0).to(tl.int64)
-            kpos = tl.load(POS + (page * KV_HEADS + h) * PAGE + j % PAGE, mask=jm, other=-1).to(tl.int64)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q.to(k.dtype), tl.trans(k))
-            s = s * qk_scale
-            s = tl.where(jm[None, :] & visible(kpos, qpos, window), s, float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            kpos = tl.load(POS + (page * KV_HEADS + h) * PAGE + j % PAGE, mask=jm, other=-1)
+            s = tl.where(tl.trans(visible(kpos, qpos, window)) & jm[:, None], s, float("-inf"))
+            m_i, alpha, p, l_i = _online(s, m_i, l_i)
+            p = p.to(DT)
+            a0 = _mma(tl.load(vr, mask=jm[None, :], other=0.0).to(DT), p, a0 * alpha[None, :], DT)
+            a1 = _mma(tl.load(vr + C, mask=jm[None, :], other=0.0).to(DT), p, a1 * alpha[None, :], DT)
+            if NCH == 4:
+                a2 = _mma(tl.load(vr + 2 * C, mask=jm[None, :], other=0.0).to(DT), p, a2 * alpha[None, :], DT)
+                a3 = _mma(tl.load(vr + 3 * C, mask=jm[None, :], other=0.0).to(DT), p, a3 * alpha[None, :], DT)
+        inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+        ok = row_ok[None, :]
         if NUM_SPLITS == 1:
-            tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
-                     out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            o = OUT + b * stride_ob + t[None, :] * stride_ot + qh[None, :] * stride_oh + c[:, None]
+            ty = OUT.dtype.element_ty
         else:
             mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
-            tl.store(MID_LSE + mid, natural_lse(m_i, l_i), mask=row_ok)
-            tl.store(MID_O + mid[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+            tl.store(MID_LSE + mid, tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+                                             * 0.6931471805599453), mask=row_ok)  # natural-log LSE for the merge
+            o = MID_O + mid[None, :] * D + c[:, None]
+            ty = tl.float32
+        tl.store(o, (a0 * inv[None, :]).to(ty), mask=ok)
+        tl.store(o + C, (a1 * inv[None, :]).to(ty), mask=ok)
+        if NCH == 4:
+            tl.store(o + 2 * C, (a2 * inv[None, :]).to(ty), mask=ok)
+            tl.store(o + 3 * C, (a3 * inv[None, :]).to(ty), mask=ok)
 
 
-#: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 at every swept point
-#: (2-bit, 32K x 1, 32K x 16, 128K x 1: 409-537 GB/s against 180-233 GB/s for one key group per tile, 3 stages and
-#: 264 programs; ``benchmarks/results/kivi_sweep_h200.log``): four key groups per tile amortise the scale / zero loads
-#: and the per-tile softmax update, and four times as many programs fill the GPU at batch 1.
-KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 4, "num_stages": 2, "target_programs": 1056, "groups_per_tile": 4}
+#: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 at every 2-bit point
+#: (18 configurations; ``results/kernels_kivi_v2_h200.jsonl``): 2 warps (the MMAs of a 32-slot key group split over
+#: them, the dequantization not duplicated), 2 stages, about 2,112 programs.
+KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112}
+
+
+def _asm_strings(bits: int, dim: int, group: int, query_dtype: torch.dtype, on_gpu: bool) -> list[str]:
+    """The four chunks' :func:`_code_asm` (empty strings: integer ops and fp32 math)."""
+    chunk, nbytes = chunk_layout(dim, bits, group)
+    if not on_gpu or query_dtype not in (torch.bfloat16, torch.float16):
+        return [""] * 4
+    return [_code_asm(bits, (i * chunk // nbytes) * bits, query_dtype) for i in range(4)]
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
@@ -252,7 +320,8 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     heads, page_size = kcode.shape[1], kcode.shape[2]
     group_size = page_size // kscale.shape[2]
     group = q_heads // heads
-    if not triton_supported(group_size, dim) or queries * group > 64:
+    bits = storage_bits(kcode, dim)
+    if not fast_path_supported(group_size, dim, bits) or queries * group > 64:
         return kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k,
                                                ring_v, ring_rows, index, lengths, quantized, q_positions, scale,
                                                sliding_window)
@@ -261,24 +330,24 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     block_m = max(16, triton.next_power_of_2(queries * group))
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
-    groups_per_tile = max(1, cfg["groups_per_tile"])
-    min_split = max(4, groups_per_tile) * group_size
-    splits = num_splits or _num_splits(batch * heads, span, min_split, cfg["target_programs"])
+    splits = num_splits or _num_splits(batch * heads, span, 4 * group_size, cfg["target_programs"])
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
     else:
         mid_o = mid_lse = out
+    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
+    asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
     _kivi_decode_kernel[(batch * heads, splits)](
-        query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows.contiguous(), index,
-        lengths, quantized.contiguous(), q_positions, out, mid_o, mid_lse,
+        query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
+        ring_v, ring_rows.contiguous(), index, lengths, quantized.contiguous(), q_positions, out, mid_o, mid_lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0),
         ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
         float(scale), int(sliding_window), queries,
-        KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=storage_bits(kcode, dim),
-        RING=ring_k.shape[2], BLOCK_M=block_m, BLOCK_F=cfg["block_f"], NG=groups_per_tile, NUM_SPLITS=splits,
-        IEEE=query.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
+        BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
+        ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](

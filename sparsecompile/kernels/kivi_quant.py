@@ -13,8 +13,11 @@ zero (code 0 when the scale is 0); dequantized ``x' = code * scale + zero`` in f
 Page layout (every tensor indexed by page first, like the dense pool, so page sharing and copy-on-write treat them
 alike; ``P`` slots per page, a multiple of ``G = group_size``, so key groups never straddle pages):
 
-* ``kcode, vcode [num_pages, kv_heads, P, W]`` int32: each slot's ``D`` codes packed along channels,
-  ``W = D * bits / 32`` words, channel ``c`` in word ``c // (32 / bits)`` at bit ``(c % (32 / bits)) * bits``;
+* ``kcode, vcode [num_pages, kv_heads, P, W]`` int32: each slot's ``D`` codes in ``B = D * bits / 8`` bytes
+  (``W = B / 4`` little-endian words), channel ``c`` in byte ``c % B`` at bit ``(c // B) * bits``: the codes at one
+  bit offset of every byte are ``B`` consecutive channels, so the decode kernel turns four codes of a 32-bit
+  register into four floats of one channel chunk with a shift, a mask and two byte permutes, and a chunk never
+  crosses a value group;
 * ``kscale, kzero [num_pages, kv_heads, P / G, D]``: one per key group and channel;
 * ``vscale, vzero [num_pages, kv_heads, P, D / G]``: one per slot and channel group.
 
@@ -76,19 +79,19 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., D]`` codes in ``[0, 2^bits)`` -> ``[..., D * bits / 32]`` int32 (channel order, low bits first)."""
-    per_word = 32 // bits
-    c = codes.long().unflatten(-1, (codes.shape[-1] // per_word, per_word))
-    shifts = torch.arange(per_word, device=codes.device) * bits
-    words = (c << shifts).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    """``[..., D]`` codes in ``[0, 2^bits)`` -> ``[..., D * bits / 32]`` int32 (module docstring's byte layout)."""
+    per_byte = 8 // bits
+    c = codes.long().unflatten(-1, (per_byte, codes.shape[-1] // per_byte))  # [..., k, B]: channel k * B + j
+    shifts = torch.arange(per_byte, device=codes.device)[:, None] * bits
+    return (c << shifts).sum(-2).to(torch.uint8).contiguous().view(torch.int32)
 
 
 def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``[..., W]`` int32 -> ``[..., W * 32 / bits]`` int32 codes."""
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
-    return ((words.unsqueeze(-1) >> shifts) & levels(bits)).flatten(-2)
+    per_byte = 8 // bits
+    b = words.contiguous().view(torch.uint8).to(torch.int32)  # [..., B]
+    shifts = torch.arange(per_byte, device=words.device, dtype=torch.int32)[:, None] * bits
+    return ((b.unsqueeze(-2) >> shifts) & levels(bits)).flatten(-2)
 
 
 def storage_bits(kcode: torch.Tensor, head_dim: int) -> int:
@@ -143,11 +146,14 @@ if triton is not None:
         return q.to(tl.int32), scale, zero
 
     @triton.jit
-    def _pack(codes, ROWS: tl.constexpr, WORDS: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr):
-        """``[ROWS, WORDS * PER_WORD]`` codes -> ``[ROWS, WORDS]`` int32 words (low bits first)."""
-        c = tl.reshape(codes, (ROWS, WORDS, PER_WORD))
-        shifts = tl.arange(0, PER_WORD) * BITS
-        return tl.sum(c << shifts[None, None, :], axis=2)
+    def _pack(codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """``[ROWS, D]`` codes -> ``[ROWS, D * BITS / 32]`` int32 words: channel ``k * B + 4 * w + i`` (``B = D * BITS
+        / 8`` bytes) at bit ``8 * i + k * BITS`` of word ``w`` (the module docstring's byte layout)."""
+        PER_BYTE: tl.constexpr = 8 // BITS
+        W: tl.constexpr = D * BITS // 32
+        c = tl.reshape(codes, (ROWS, PER_BYTE, W, 4))
+        shifts = (tl.arange(0, PER_BYTE) * BITS)[None, :, None, None] + (tl.arange(0, 4) * 8)[None, None, None, :]
+        return tl.sum(tl.sum(c << shifts, axis=3), axis=1)
 
     @triton.jit
     def _quantize_kernel(KC, VC, KS, KZ, VS, VZ, K, V, DST, stride_km, stride_kh, stride_kt, stride_vm, stride_vh,
@@ -158,8 +164,7 @@ if triton is not None:
         h = tl.program_id(1)
         dst = tl.load(DST + m)
         if dst >= 0:
-            PER_WORD: tl.constexpr = 32 // BITS
-            W: tl.constexpr = D // PER_WORD
+            W: tl.constexpr = D * BITS // 32
             LEVELS: tl.constexpr = (1 << BITS) - 1
             page = dst // PAGE
             off = dst % PAGE
@@ -171,7 +176,7 @@ if triton is not None:
             w = tl.arange(0, W)
             # keys: per channel over the group's slots
             kq, ks, kz = _round_codes(k, tl.min(k, axis=0)[None, :], tl.max(k, axis=0)[None, :], LEVELS, SCALE_TY)
-            tl.store(KC + slot[:, None] * W + w[None, :], _pack(kq, G, W, PER_WORD, BITS))
+            tl.store(KC + slot[:, None] * W + w[None, :], _pack(kq, G, D, BITS))
             grp = (page * KV_HEADS + h) * (PAGE // G) + off // G
             tl.store(KS + grp * D + d, tl.reshape(ks, (D,)))
             tl.store(KZ + grp * D + d, tl.reshape(kz, (D,)))
@@ -179,7 +184,7 @@ if triton is not None:
             v3 = tl.reshape(v, (G, D // G, G))
             vq, vs, vz = _round_codes(v3, tl.min(v3, axis=2)[:, :, None], tl.max(v3, axis=2)[:, :, None], LEVELS,
                                       SCALE_TY)
-            tl.store(VC + slot[:, None] * W + w[None, :], _pack(tl.reshape(vq, (G, D)), G, W, PER_WORD, BITS))
+            tl.store(VC + slot[:, None] * W + w[None, :], _pack(tl.reshape(vq, (G, D)), G, D, BITS))
             gi = tl.arange(0, D // G)
             tl.store(VS + slot[:, None] * (D // G) + gi[None, :], tl.reshape(vs, (G, D // G)))
             tl.store(VZ + slot[:, None] * (D // G) + gi[None, :], tl.reshape(vz, (G, D // G)))

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..runtime.model_info import ModelInfo
     from ..runtime.step import StepState
 
-_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_SCALE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -55,7 +55,8 @@ class KiviConfig(MethodConfig):
                                  "tokens, values per token over group_size channels; a power of two (HF: q_group_size)")
     residual: int = option(128, "newest tokens kept in full precision, a multiple of group_size; older ones are "
                                 "quantized a group at a time (HF: residual_length)")
-    scale_dtype: str = option("float16", "dtype of the per-group scales and zero points: float16 or bfloat16")
+    scale_dtype: str = option("auto", "dtype of the per-group scales and zero points: auto (the model's dtype if "
+                                      "float16 or bfloat16, else float16), float16 or bfloat16")
 
     method: ClassVar[str] = "kivi"
 
@@ -72,7 +73,8 @@ class KiviConfig(MethodConfig):
             raise MethodConfigError(f"{m}: residual must be a multiple of group_size={g} (>= 0: the residual hands "
                                     f"whole groups to the quantized pages), got {r!r}")
         if self.scale_dtype not in _SCALE_DTYPES:
-            raise MethodConfigError(f"{m}: scale_dtype must be 'float16' or 'bfloat16', got {self.scale_dtype!r}")
+            raise MethodConfigError(f"{m}: scale_dtype must be 'auto', 'float16' or 'bfloat16', "
+                                    f"got {self.scale_dtype!r}")
 
     def kivi_spec(self) -> KiviSpec:
         return KiviSpec(self.bits, self.group_size, self.residual, _SCALE_DTYPES[self.scale_dtype])

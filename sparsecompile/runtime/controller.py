@@ -39,6 +39,8 @@ class SparseController(RowOperations, MixedForward):
         self.runtime = runtime
         self.config = config
         storage = runtime.storage  # the method's storage format (None: dense); it may need larger pages
+        if storage is not None:  # its "auto" options follow the model's dtype
+            storage = runtime.storage = storage.for_model_dtype(dtype)
         page_size = config.page_size if storage is None else storage.page_size(config.page_size)
         self.layout = KVLayout(num_layers, num_kv_heads, head_dim, page_size, dtype, torch.device(device), storage)
         self.oracle = runtime.memory_oracle(self.layout)

@@ -34,7 +34,7 @@ Steps (see the controller's ``attend``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,7 +59,15 @@ class KiviSpec:
     bits: int = 2
     group_size: int = 32
     residual: int = 128
-    scale_dtype: torch.dtype = torch.float16
+    scale_dtype: torch.dtype | None = None  # None: "auto" (:meth:`for_model_dtype`)
+
+    def for_model_dtype(self, dtype: torch.dtype) -> KiviSpec:
+        """The spec with "auto" scales resolved: the model's dtype when it is float16 or bfloat16 (HF QuantizedCache
+        keeps its scales in the compute dtype; the decode kernel then dequantizes with no conversion), else
+        float16 (KIVI's)."""
+        if self.scale_dtype is not None:
+            return self
+        return replace(self, scale_dtype=dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16)
 
     @property
     def ring(self) -> int:
@@ -82,7 +90,7 @@ class KiviSpec:
         """K/V bytes one KV head of a ``(row, layer)`` holding ``count`` slots uses: codes, scales and zeros of its
         quantized slots, full-precision residual (positions not counted, as for the dense pool)."""
         q = int(self.quantized(count))
-        s = torch.empty((), dtype=self.scale_dtype).element_size()
+        s = 2  # float16 or bfloat16 scales and zeros
         e = torch.empty((), dtype=dtype).element_size()
         codes = 2 * head_dim * self.bits // 8  # K and V codes per slot
         value_meta = 2 * (head_dim // self.group_size) * s  # scale + zero per slot and channel group
