@@ -196,6 +196,16 @@ def test_triton_decode_matches_reference(bits, splits):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_reference_over_the_whole_capacity_is_sync_free_and_equal():
+    """The CUDA fallback (shapes the Triton kernel does not take) rebuilds every slot of the view's capacity rather
+    than reading the longest list's length on the host, which a CUDA graph capture forbids: same result."""
+    args = decode_case()
+    capacity = args[11].shape[2] * PAGE
+    torch.testing.assert_close(kivi_decode_attention_reference(*args, span=capacity),
+                               kivi_decode_attention_reference(*args), atol=1e-6, rtol=1e-6)
+    assert not fast_path_supported(GROUP, 32, 2)  # e.g. head dim 32 at 2 bits: 8-channel chunks, below tl.dot's 16
+
+
 def test_view_kv_shapes_and_ring_rows():
     args = decode_case()
     k, v, pos, valid = kivi_view_kv(*args[1:14], span=150)

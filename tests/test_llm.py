@@ -182,9 +182,12 @@ def test_engine_refuses_a_model_it_cannot_reach():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,options", [("vanilla", {}), ("snapkv", {"budget": 40, "window": 8})])
+@pytest.mark.parametrize("method,options", [("snapkv", {"budget": 40, "window": 8})])
 def test_smollm2_32_mixed_prompts_equal_per_prompt_generate(smollm2_path, method, options):
-    """The issue's acceptance test: 32 prompts of mixed lengths, LLM.generate vs greedy generate() one by one."""
+    """The issue's acceptance test: 32 prompts of mixed lengths, LLM.generate vs greedy generate() one by one.
+    SnapKV compresses some prompts in batched chunked prefill, the harder case; vanilla's batches are checked
+    against the unpatched model by the tiny-model tests above and ``test_smollm2.py`` (its ``vanilla`` row here took
+    25 s of the CI budget)."""
     from needle import AUSTEN_TEXT
 
     llm = LLM(str(smollm2_path), method, dtype=torch.float32, device="cpu", max_num_seqs=8,

@@ -353,8 +353,9 @@ kivi_v2)  # #20: the transposed KIVI decode kernel (codes as the MMA's first ope
   echo "sweep rc=$?"; grep -E '"config": "default"|best_of_sweep|error' "$OUT/kivi_v2_sweep.log" | cut -c1-330 | tail -16 ;;
 kivi_v2_points)  # #20: decode through the engine step with the new kernel at 128K x 4 (vanilla, kivi 2 / 4 bits,
   # snapkv+kivi) and 32K x 1 (~6 min), after the kernel rows with bf16 scales (the "auto" default)
-  timeout -s INT 100 python3 benchmarks/kernels.py --only kivi --quick --out "$OUT" > "$OUT/kivi_v2_bf16.log" 2>&1
-  echo "kernels rc=$?"; grep -E '"config": "default"' "$OUT/kivi_v2_bf16.log" | cut -c1-200
+  [ -n "${SWEEP:-}" ] && { timeout -s INT 300 python3 benchmarks/kernels.py --only kivi --quick --sweep --out "$OUT" \
+    > "$OUT/kivi_v2_bf16.log" 2>&1; echo "kernels rc=$?"; grep -E '"config": "default"|best_of_sweep' \
+    "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
 kivi)

@@ -59,7 +59,7 @@ def kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, r
 
 def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                     ring_rows, index, lengths, quantized, q_positions, scale: float,
-                                    sliding_window: int) -> torch.Tensor:
+                                    sliding_window: int, span: int | None = None) -> torch.Tensor:
     """Torch reference: rebuild the floats of every list, then fp32 softmax attention.
 
     Args:
@@ -69,13 +69,16 @@ def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, 
         index: ``[batch, kv_heads, pages]`` page ids; lengths ``[batch, kv_heads]``; quantized ``[batch]`` (a multiple
             of the group size; the quantized prefix of every head of the row).
         q_positions: ``[batch, queries]`` (-1: padding query).
+        span: slots of every list to rebuild (None: the longest list's, read from ``lengths``: a host sync; the
+            CUDA fallback passes the view's capacity so that it can run inside a CUDA graph capture).
     Returns:
         ``[batch, queries, q_heads, D]`` in ``query.dtype``.
     """
     batch, q_heads, queries, dim = query.shape
     heads = index.shape[1]
     group = q_heads // heads
-    span = int(lengths.max()) if lengths.numel() else 0
+    if span is None:
+        span = int(lengths.max()) if lengths.numel() else 0
     out = torch.zeros(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     if span == 0:
         return out
@@ -301,7 +304,7 @@ if triton is not None:
 #: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 at every 2-bit point
 #: (18 configurations; ``results/kernels_kivi_v2_h200.jsonl``): 2 warps (the MMAs of a 32-slot key group split over
 #: them, the dequantization not duplicated), 2 stages, about 2,112 programs.
-KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112}
+KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112, "maxnreg": 128}
 
 
 def _asm_strings(bits: int, dim: int, group: int, query_dtype: torch.dtype, on_gpu: bool) -> list[str]:
@@ -321,10 +324,10 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     group_size = page_size // kscale.shape[2]
     group = q_heads // heads
     bits = storage_bits(kcode, dim)
-    if not fast_path_supported(group_size, dim, bits) or queries * group > 64:
+    if not fast_path_supported(group_size, dim, bits) or queries * group > 64:  # torch, sync-free: every slot
         return kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k,
                                                ring_v, ring_rows, index, lengths, quantized, q_positions, scale,
-                                               sliding_window)
+                                               sliding_window, span=index.shape[2] * page_size)
     query, index, q_positions = launch_inputs(query, index, q_positions)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
     block_m = max(16, triton.next_power_of_2(queries * group))
@@ -348,6 +351,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
         BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
         ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
