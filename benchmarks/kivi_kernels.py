@@ -2,7 +2,8 @@
 
 Run through ``benchmarks/kernels.py --only kivi [--sweep] [--quick]``. Shapes: the Llama-3.1-8B attention (8 KV
 heads, 32 query heads, head_dim 128), KIVI pages of 32 slots, group 32, residual 128 (its ring holds 160 slots),
-bf16 scales (``scale_dtype="auto"`` of a bf16 model), bf16 residual. Decode rows read every resident slot of every sequence; the bytes a call must read are
+bf16 scales (``scale_dtype="auto"`` of a bf16 model), bf16 residual. Decode rows read every resident slot of every
+sequence; the bytes a call must read are
 the codes (``2 * 128 * bits / 8`` per slot), the value scales and zeros (16 B per slot), the key scales and zeros
 (512 B per group), the positions (4 B per slot), the residual (512 B per slot) and the page table, and the row
 reports them against the bandwidth measured in the same run. Times are medians of CUDA-graph replays cycling

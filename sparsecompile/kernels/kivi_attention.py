@@ -149,6 +149,23 @@ if triton is not None:
             return (codes * scale.to(tl.float32) + zero.to(tl.float32)).to(DT)
 
     @triton.jit
+    def _key_chunk(kb, KS, KZ, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr,
+                   G: tl.constexpr, C: tl.constexpr):
+        """Keys ``[G, C]`` of one chunk from bytes ``kb [G, C]``: the group's per-channel scales and zeros at
+        ``KS / KZ + [0, C)``."""
+        c = tl.arange(0, C)
+        return _dequantize(kb, tl.broadcast_to(tl.load(KS + c).to(DT)[None, :], (G, C)),
+                           tl.broadcast_to(tl.load(KZ + c).to(DT)[None, :], (G, C)), SHIFT, BITS, ASM, DT)
+
+    @triton.jit
+    def _value_chunk(vb, VS, VZ, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr,
+                     G: tl.constexpr, C: tl.constexpr):
+        """Values ``[C, G]`` (transposed) of one chunk from bytes ``vb [C, G]``: each slot's scale and zero at the
+        pointers ``VS / VZ [G]``."""
+        return _dequantize(vb, tl.broadcast_to(tl.load(VS).to(DT)[None, :], (C, G)),
+                           tl.broadcast_to(tl.load(VZ).to(DT)[None, :], (C, G)), SHIFT, BITS, ASM, DT)
+
+    @triton.jit
     def _mma(a, b, acc, DT: tl.constexpr):
         if DT == tl.float32:
             return tl.dot(a, b, acc, input_precision="ieee")
@@ -219,25 +236,17 @@ if triton is not None:
         for start in range(lo, qhi, G):  # quantized slots: whole groups (quant and the splits are group-aligned)
             page = tl.load(index + start // PAGE).to(tl.int64)
             slot = (page * KV_HEADS + h) * PAGE + start % PAGE + tok  # rows of the [pages, heads, P] layout
-            ks = KS + ((page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G) * D + c  # chunk 0 of the group
-            kz = KZ + ((page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G) * D + c
+            grp = ((page * KV_HEADS + h) * (PAGE // G) + (start % PAGE) // G) * D  # the key group's scales / zeros
+            ks, kz = KS + grp, KZ + grp
             kb0 = tl.load(KC + slot[:, None] * B + c[None, :])  # [G, C] bytes (two blocks when B = 2C)
             kb1 = kb0
             if B > C:
                 kb1 = tl.load(KC + slot[:, None] * B + C + c[None, :])
-            s = _mma(_dequantize(kb0, tl.broadcast_to(tl.load(ks).to(DT)[None, :], (G, C)),
-                                 tl.broadcast_to(tl.load(kz).to(DT)[None, :], (G, C)), 0, BITS, ASM0, DT), q0,
-                     tl.zeros([G, BLOCK_M], tl.float32), DT)
-            s = _mma(_dequantize(kb1, tl.broadcast_to(tl.load(ks + C).to(DT)[None, :], (G, C)),
-                                 tl.broadcast_to(tl.load(kz + C).to(DT)[None, :], (G, C)), (C // B) * BITS, BITS, ASM1, DT),
-                     q1, s, DT)
+            s = _mma(_key_chunk(kb0, ks, kz, 0, BITS, ASM0, DT, G, C), q0, tl.zeros([G, BLOCK_M], tl.float32), DT)
+            s = _mma(_key_chunk(kb1, ks + C, kz + C, (C // B) * BITS, BITS, ASM1, DT, G, C), q1, s, DT)
             if NCH == 4:
-                s = _mma(_dequantize(kb0, tl.broadcast_to(tl.load(ks + 2 * C).to(DT)[None, :], (G, C)),
-                                     tl.broadcast_to(tl.load(kz + 2 * C).to(DT)[None, :], (G, C)), (2 * C // B) * BITS,
-                                     BITS, ASM2, DT), q2, s, DT)
-                s = _mma(_dequantize(kb1, tl.broadcast_to(tl.load(ks + 3 * C).to(DT)[None, :], (G, C)),
-                                     tl.broadcast_to(tl.load(kz + 3 * C).to(DT)[None, :], (G, C)), (3 * C // B) * BITS,
-                                     BITS, ASM3, DT), q3, s, DT)
+                s = _mma(_key_chunk(kb0, ks + 2 * C, kz + 2 * C, (2 * C // B) * BITS, BITS, ASM2, DT, G, C), q2, s, DT)
+                s = _mma(_key_chunk(kb1, ks + 3 * C, kz + 3 * C, (3 * C // B) * BITS, BITS, ASM3, DT, G, C), q3, s, DT)
             kpos = tl.load(POS + slot)
             s = tl.where(tl.trans(visible(kpos, qpos, window)), s, float("-inf"))
             m_i, alpha, p, l_i = _online(s, m_i, l_i)
@@ -246,20 +255,15 @@ if triton is not None:
             vb1 = vb0
             if B > C:
                 vb1 = tl.load(VC + slot[None, :] * B + C + c[:, None])
-            vm = slot * VG + (0 * C) // G  # a slot's scale / zero of chunk i: VS[slot * VG + i * C // G]
-            a0 = _mma(_dequantize(vb0, tl.broadcast_to(tl.load(VS + vm).to(DT)[None, :], (C, G)),
-                                  tl.broadcast_to(tl.load(VZ + vm).to(DT)[None, :], (C, G)), 0, BITS, ASM0, DT), p,
-                      a0 * alpha[None, :], DT)
-            a1 = _mma(_dequantize(vb1, tl.broadcast_to(tl.load(VS + vm + C // G).to(DT)[None, :], (C, G)),
-                                  tl.broadcast_to(tl.load(VZ + vm + C // G).to(DT)[None, :], (C, G)), (C // B) * BITS, BITS,
-                                  ASM1, DT), p, a1 * alpha[None, :], DT)
+            vs, vz = VS + slot * VG, VZ + slot * VG  # a slot's scale / zero of chunk i: [slot * VG + i * C // G]
+            a0 = _mma(_value_chunk(vb0, vs, vz, 0, BITS, ASM0, DT, G, C), p, a0 * alpha[None, :], DT)
+            a1 = _mma(_value_chunk(vb1, vs + C // G, vz + C // G, (C // B) * BITS, BITS, ASM1, DT, G, C), p,
+                      a1 * alpha[None, :], DT)
             if NCH == 4:
-                a2 = _mma(_dequantize(vb0, tl.broadcast_to(tl.load(VS + vm + 2 * C // G).to(DT)[None, :], (C, G)),
-                                      tl.broadcast_to(tl.load(VZ + vm + 2 * C // G).to(DT)[None, :], (C, G)),
-                                      (2 * C // B) * BITS, BITS, ASM2, DT), p, a2 * alpha[None, :], DT)
-                a3 = _mma(_dequantize(vb1, tl.broadcast_to(tl.load(VS + vm + 3 * C // G).to(DT)[None, :], (C, G)),
-                                      tl.broadcast_to(tl.load(VZ + vm + 3 * C // G).to(DT)[None, :], (C, G)),
-                                      (3 * C // B) * BITS, BITS, ASM3, DT), p, a3 * alpha[None, :], DT)
+                a2 = _mma(_value_chunk(vb0, vs + 2 * C // G, vz + 2 * C // G, (2 * C // B) * BITS, BITS, ASM2, DT, G,
+                                       C), p, a2 * alpha[None, :], DT)
+                a3 = _mma(_value_chunk(vb1, vs + 3 * C // G, vz + 3 * C // G, (3 * C // B) * BITS, BITS, ASM3, DT, G,
+                                       C), p, a3 * alpha[None, :], DT)
         ring = RK + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
         vring = RV + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
         for start in range(tl.maximum(lo, quant), hi, BLOCK_F):  # the full-precision residual
