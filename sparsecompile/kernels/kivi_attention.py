@@ -305,9 +305,11 @@ if triton is not None:
             tl.store(o + 3 * C, (a3 * inv[None, :]).to(ty), mask=ok)
 
 
-#: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 at every 2-bit point
-#: (18 configurations; ``results/kernels_kivi_v2_h200.jsonl``): 2 warps (the MMAs of a 32-slot key group split over
-#: them, the dequantization not duplicated), 2 stages, about 2,112 programs.
+#: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 (2-bit, bf16 scales,
+#: 24 configurations; ``results/kivi_v2_bf16_sweep_h200.log``) at 3 of its 4 points (32K x 16: the same with 4,224
+#: programs): 2 warps (the MMAs of a 32-slot key group split over them, the dequantization not duplicated; 4 warps
+#: would dequantize each tile twice), 2 stages, a 128-register cap for 8 programs per SM (459 against 528 us at 128K
+#: x 4 without it).
 KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112, "maxnreg": 128}
 
 
