@@ -39,6 +39,12 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-03 third session: kivi_v2 (the transposed KIVI kernel: 11 GPU tests passed, 18-config sweep), SWEEP=1
+# kivi_v2_points (bf16 scales, 24 configs: 2 warps, 2 stages, maxnreg 128 -> KIVI_DECODE_CONFIG), kivi_v2_points
+# (128K x 4: kivi2 1.09x vanilla), then test_kivi_cuda + test_mixed_cuda by hand (the mixed snapkv+kivi case synced
+# in the torch fallback inside a capture: fixed; the replay tests failed after it, cascading), test_mixed_cuda again.
+# Next: user_points POINT=131072x1 NEW=513 (h2o vs snapkv); profile METHODS=quest,omnikv; export + verify_b;
+# kivi_capacity (snapkv+kivi's decode at its largest batch); ncu of the new KIVI kernel (stall reasons).
 # 2026-12-03 second session: replay, replay_b (twice: before / after the slot plan inside the graph), the mixed GPU
 # tests with replays on by default (by hand). Order for the next one: user_points POINT=131072x1 NEW=513 (h2o vs
 # snapkv); profile METHODS=quest,omnikv (first call, dense graph only); export + verify_b; 32Kx16 / 128Kx4 user points;
