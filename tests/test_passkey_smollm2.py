@@ -5,7 +5,8 @@ Eviction methods use the public-domain haystack (Jane Austen); the selection met
 text that the standard library ships. Measured matrix (depths 0.2 / 0.5 / 0.8, budget 512, greedy):
 the unpatched model, SnapKV and OmniKV retrieve at every depth of both haystacks; Quest at every depth of
 the Python text and at 0.5 / 0.8 of Austen (at 0.2 it answers 6821); H2O at none (see ``test_h2o_passkey``).
-The unpatched model's answers are not re-run here (about 9 s each); ``test_dense_baseline`` checks one.
+The unpatched model's answers are not re-run here (about 9 s each: the CI budget); the matrix above was measured
+on CPU in fp32 when these tests were written.
 """
 
 from __future__ import annotations
@@ -32,28 +33,19 @@ def _prompt(tokenizer, source: str, depth: float) -> torch.Tensor:
     return passkey_prompt(tokenizer, PASSKEY, target_tokens=3000, depth=depth, source=source)
 
 
-def _answer(model, tokenizer, ids, method: str | None, **options):
-    """(passkey found?, KV statistics of the cache generate() leaves) with ``method`` (None: the unpatched model)."""
+def _answer(model, tokenizer, ids, method: str, **options):
+    """(passkey found?, KV statistics of the cache generate() leaves, the method's runtime) with ``method``."""
     model = copy.deepcopy(model)
-    stats, runtime = None, None
-    if method is None:
-        seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
-    else:
-        sparsecompile.optimize(model, method, **options)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                             do_sample=False, return_dict_in_generate=True)
-        seq = out.sequences
-        cache = out["cache"] if "cache" in out else out["past_key_values"]
-        stats = sparsecompile.kv_stats(cache)
-        runtime = patched_model(model).controller.runtime
-        cache.release()
+    sparsecompile.optimize(model, method, **options)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                         return_dict_in_generate=True)
+    seq = out.sequences
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    stats = sparsecompile.kv_stats(cache)
+    runtime = patched_model(model).controller.runtime
+    cache.release()
     text = tokenizer.decode(seq[0, ids.shape[1]:], skip_special_tokens=True)
     return PASSKEY in re.sub(r"\D", "", text), stats, runtime
-
-
-def test_dense_baseline(smollm2):
-    model, tokenizer = smollm2
-    assert _answer(model, tokenizer, _prompt(tokenizer, "austen", 0.5), None)[0]
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
