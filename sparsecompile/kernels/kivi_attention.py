@@ -9,8 +9,8 @@ sliding window ``w > 0``).
 
 Triton kernel (CUDA): flash-decoding over the list, split across programs and merged by
 :func:`.paged_attention._combine_kernel`; every GQA query head of a KV head shares one program. A quantized tile is
-one key group: the scores are ``(q * scale) . codes + q . zero`` (the key scales folded into the query, the codes
-converted to floats without dequantizing), the values are dequantized in registers; accumulation in fp32.
+one key group, computed transposed (the codes are the MMAs' first operand): keys and values are dequantized in the
+MMA operand registers, four codes a register (:func:`_code_asm`); accumulation in fp32.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from .kivi_quant import dequantize_keys, dequantize_values, storage_bits, triton_supported, unpack_codes
 from .library import define_op
 from .pool import launch_inputs, visibility
-from .tiles import visible
+from .tiles import natural_lse, visible
 
 try:
     import triton
@@ -137,7 +137,7 @@ if triton is not None:
     def _dequantize(x, scale, zero, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
         """uint8 bytes ``x`` -> ``code * scale + zero`` in ``DT`` (``scale`` / ``zero`` broadcast to ``x``'s shape):
         PTX over four codes a register (``ASM``, a :func:`_code_asm` string) or integer ops and fp32 math (the
-        interpreter, fp32 queries, scales of another dtype)."""
+        interpreter, fp32 queries)."""
         if ASM != "" and DT == tl.bfloat16:
             return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r", [x, scale, zero],
                                              dtype=tl.bfloat16, is_pure=True, pack=4)
@@ -294,8 +294,7 @@ if triton is not None:
             ty = OUT.dtype.element_ty
         else:
             mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
-            tl.store(MID_LSE + mid, tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-                                             * 0.6931471805599453), mask=row_ok)  # natural-log LSE for the merge
+            tl.store(MID_LSE + mid, natural_lse(m_i * 0.6931471805599453, l_i), mask=row_ok)  # m_i is base 2
             o = MID_O + mid[None, :] * D + c[:, None]
             ty = tl.float32
         tl.store(o, (a0 * inv[None, :]).to(ty), mask=ok)

@@ -142,7 +142,6 @@ class MixedForward:
         out = [logits[a:b].unflatten(0, shape) for (a, b), shape in spans]
         return (out.pop(0) if n else None), out
 
-
     def _end_parts(self, inner: Callable[..., torch.Tensor], mixed: MixedStep) -> None:
         """After a mixed forward: each part's host end (``commit_step``), then the method's scoring passes for the
         prompts that ended."""
