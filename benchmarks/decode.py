@@ -50,6 +50,7 @@ METHOD_OPTIONS = {
     "omnikv-select": {"method": "omnikv", "budget": 2048, "dense_below": 0},
     "vanilla-mlp32k": {"method": "vanilla", "prefill_mlp_chunk": 32768},  # prefill.py: MLP chunks of the prefill
     "vanilla-mlp64k": {"method": "vanilla", "prefill_mlp_chunk": 65536},
+    "vanilla-unfused": {"method": "vanilla", "fuse_pointwise": False},  # prefill.py: HF's own norms and SiLU ops
     "snapkv": {"budget": 2048},
     "pyramidkv": {"budget": 2048},
     "h2o": {"budget": 2048},

@@ -87,6 +87,9 @@ class EngineConfig:
     show_progress: bool = option(False, "a progress bar over prefill chunks")
     prefill_mlp_chunk: int = option(16384, "tokens per MLP call in a longer prefill forward (attention still sees "
                                            "the whole chunk): caps the MLP's activations; 0 = one call")
+    fuse_pointwise: bool = option(True, "eager (prefill) forwards on CUDA in bf16 / fp16 run each Llama-style "
+                                        "RMSNorm and the MLP's silu(gate) * up as one kernel (decode steps are "
+                                        "compiled and fused by inductor)")
     fuse_projections: bool = option(True, "compiled decode runs each layer's q/k/v and gate/up projections as one "
                                           "GEMM per group")
     compile_cache: bool = option(True, "keep inductor's compiled graphs and kernels on disk (under the sparsecompile "
@@ -112,6 +115,8 @@ class EngineConfig:
         _positive_int("num_pages", self.num_pages, allow_none=True)
         if self.prefill_mlp_chunk != 0:
             _positive_int("prefill_mlp_chunk", self.prefill_mlp_chunk)
+        if not isinstance(self.fuse_pointwise, bool):
+            raise MethodConfigError(f"fuse_pointwise must be True or False, got {_described(self.fuse_pointwise)}")
         _positive_int("tp_size", self.tp_size)
         t = self.tp_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:

@@ -16,7 +16,7 @@ from .methods.eviction import EvictionConfig
 from .models.attention import ATTN_IMPLEMENTATION, register_attention
 from .models.colocate import colocate_projections, separate_projections
 from .models.hf_patch import install, install_sdpa_fallback, patch_of, uninstall
-from .models.mlp_chunking import chunk_mlps, unchunk_mlps
+from .models.prefill_modules import unwrap_prefill_modules, wrap_prefill_modules
 from .models.support import UnsupportedModelError, attention_modules, inspect_model, model_dtype_device, text_config
 from .models.tensor_parallel import plan_tensor_parallel
 from .passes import CaptureError, capture_backend
@@ -85,8 +85,8 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         method: a registered method name (``sparsecompile.available_methods()``).
         **options: the method's options (its config dataclass in ``methods/<method>.py``) and the engine options
             of :class:`sparsecompile.config.EngineConfig` (``page_size``, ``prefill_chunk_size``, ``compile``,
-            ``cuda_graphs``, ``num_pages``, ``show_progress``, ``prefill_mlp_chunk``, ``fuse_projections``,
-            ``compile_cache``, ``tp_size``:
+            ``cuda_graphs``, ``num_pages``, ``show_progress``, ``prefill_mlp_chunk``, ``fuse_pointwise``,
+            ``fuse_projections``, ``compile_cache``, ``tp_size``:
             inside a ``torchrun`` job of N processes, N splits the model's heads, KV heads, MLP and vocabulary over
             the ranks, see ``models/tensor_parallel.py``, ``tp_timeout``; their defaults and help:
             ``sparsecompile generate --help``); aliases: ``block_size`` (vLLM) for ``page_size``,
@@ -145,7 +145,7 @@ def optimize(model: nn.Module, method: str = "vanilla", **options: Any) -> nn.Mo
         uninstall(model, modules)
         _set_attn(model, previous)
         raise
-    chunk_mlps(model, config.prefill_mlp_chunk)
+    wrap_prefill_modules(model, config.prefill_mlp_chunk, config.fuse_pointwise)
     if decode_compiled(config.compile, device):
         if config.compile_cache:
             enable_compile_caches()
@@ -168,7 +168,7 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     previous = getattr(patch, "previous_attn", None)
     uninstall(model, [m for _, m in attention_modules(model)])
-    unchunk_mlps(model)
+    unwrap_prefill_modules(model)
     separate_projections(model)
     _set_attn(model, previous or "sdpa")
     return model

@@ -326,6 +326,19 @@ ops)  # + quest_ops_sweep.py: Quest's page-score launch configs and the top-k se
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220
   timeout 200 python3 benchmarks/sessions/quest_ops_sweep.py > "$OUT/quest_ops_sweep_h200.jsonl"; echo "sweep rc=$?"
   cut -c1-200 "$OUT/quest_ops_sweep_h200.jsonl" ;;
+fused)  # #13: RMSNorm and SiLU-and-multiply as one kernel each in eager prefill forwards (fuse_pointwise): GPU tests,
+  # vanilla with / without them beside HF at 32K x 1 (3 runs), 32K x 4 (2), 128K x 1 (2) (~7 min)
+  timeout -s INT 90 $P tests/gpu/test_fused_pointwise_cuda.py > "$OUT/gpu_tests_fused.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_fused.log" | tail -6
+  timeout -s INT 200 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla,vanilla-unfused \
+    --contexts 32768 --batches 1 --chunk-sizes default --repeats 3 --out "$OUT" --tag _h200_fused > "$OUT/prefill_fused.log" 2>&1
+  echo "b1 rc=$?"; grep '"system"' "$OUT/prefill_fused.log" | cut -c1-230
+  timeout -s INT 280 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla \
+    --contexts 131072 --batches 1 --chunk-sizes default --repeats 2 --out "$OUT" --tag _h200_fused > "$OUT/prefill_fused128.log" 2>&1
+  echo "128K rc=$?"; grep '"system"' "$OUT/prefill_fused128.log" | cut -c1-230
+  [ -n "${B4:-1}" ] && timeout -s INT 150 python3 benchmarks/prefill.py --systems hf_sdpa,sparsecompile --methods vanilla \
+    --contexts 32768 --batches 4 --chunk-sizes default --repeats 2 --out "$OUT" --tag _h200_fused > "$OUT/prefill_fused_b4.log" 2>&1
+  echo "b4 rc=$?"; grep '"system"' "$OUT/prefill_fused_b4.log" | cut -c1-230 ;;
 verify)  # every GPU test but export / TP, in two calls (2026-12-02: one call ran past 600 s at the flex tests)
   timeout -s INT 520 $P tests/gpu --ignore=tests/gpu/test_export_cuda.py --ignore=tests/gpu/test_tp_cuda.py \
     --ignore=tests/gpu/test_prefill_attention_cuda.py --ignore=tests/gpu/test_prefill_no_sync.py \

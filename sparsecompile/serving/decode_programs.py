@@ -52,7 +52,7 @@ log = logging.getLogger("sparsecompile")
 
 #: engine options that do not change a decode step's program (compile switches, pool sizing, progress bars)
 _UNTRACED = {"compile", "cuda_graphs", "compile_cache", "num_pages", "kv_cache_memory", "show_progress",
-             "prefill_chunk_size", "prefill_mlp_chunk", "tp_timeout"}
+             "prefill_chunk_size", "prefill_mlp_chunk", "fuse_pointwise", "tp_timeout"}
 
 
 def directory() -> Path:
