@@ -1,11 +1,14 @@
 """Kernel microbenchmarks on CUDA: each sparsecompile kernel's achieved GB/s on the bytes it must read.
 
-    python benchmarks/kernels.py [--out benchmarks/results] [--sweep] [--quick] [--only attention|ops|mass|kivi]
+    python benchmarks/kernels.py [--out benchmarks/results] [--sweep] [--quick]
+        [--only attention|ops|mass|kivi|pointwise]
 
 Decode attention at the benchmark grid's shapes, then every other op at the size the decode benchmark
 (Llama-3.1-8B shape, 128K x 4, budget 2048, page 16) or the 32K chunked prefill gives it, then the
 attention-mass ops (``mass_kernels.py``: H2O decode and prefill chunks, SnapKV, KVzip), then the KIVI ops
-(``kivi_kernels.py``: quantized decode attention at 32K and 128K, quantize-on-write). ``--only`` runs one
+(``kivi_kernels.py``: quantized decode attention at 32K and 128K, quantize-on-write), then the fused pointwise ops of
+a prefill (RMSNorm, SiLU-and-multiply at 32K tokens of the 8B shape; GB/s on the bytes read and written) beside the
+eager ops they replace. ``--only`` runs one
 group and writes ``kernels_<group>.jsonl`` (the full run writes ``kernels.jsonl``); ``--sweep`` also times
 launch configurations; a short table is printed last.
 
@@ -27,6 +30,12 @@ from kivi_kernels import kivi_rows  # noqa: E402
 from mass_kernels import mass_decode_rows, mass_rows  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
+from sparsecompile.kernels.fused_pointwise import (  # noqa: E402
+    rms_norm_reference,
+    rms_norm_triton,
+    silu_mul_reference,
+    silu_mul_triton,
+)
 from sparsecompile.kernels.kv_write import kv_write_bounds_triton, kv_write_triton  # noqa: E402
 from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
@@ -127,6 +136,26 @@ def op_rows(copies: int = 3) -> list[dict]:
     return rows
 
 
+def pointwise_rows(copies: int = 3, tokens: int = 32768, hidden: int = 4096, width: int = 14336) -> list[dict]:
+    """``rms_norm`` and ``silu_mul`` at a 32K-token prefill of the 8B shape, and the eager ops they replace (HF's
+    formulas op by op); GB/s on the bytes the fused op reads and writes (the eager ops move several times more)."""
+    bf16, rows = torch.bfloat16, []
+    weight = torch.randn(hidden, device="cuda", dtype=bf16)
+    sets = [(torch.randn(1, tokens, hidden, device="cuda", dtype=bf16), weight, 1e-5) for _ in range(copies)]
+    moved = 2 * tokens * hidden * 2 / 1e6
+    for name, fn in (("rms_norm", rms_norm_triton), ("rms_norm eager (HF)", rms_norm_reference)):
+        rows.append(_op_row(name, sets, fn, moved, tokens=tokens, hidden=hidden))
+    del sets
+    sets = [(torch.randn(tokens, width, device="cuda", dtype=bf16), torch.randn(tokens, width, device="cuda",
+                                                                               dtype=bf16)) for _ in range(copies)]
+    moved = 3 * tokens * width * 2 / 1e6
+    for name, fn in (("silu_mul", silu_mul_triton), ("silu_mul eager (HF)", silu_mul_reference)):
+        rows.append(_op_row(name, sets, fn, moved, tokens=tokens, width=width))
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
 def attention_rows(bw: dict, sweep: bool, copies: int) -> list[dict]:
     """Decode paged attention at the benchmark grid's shapes (with ``sweep``, the best configuration too)."""
     rows = []
@@ -178,7 +207,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--quick", action="store_true", help="two input copies and 10 replays per row")
-    parser.add_argument("--only", choices=("attention", "ops", "mass", "mass_decode", "kivi"),
+    parser.add_argument("--only", choices=("attention", "ops", "mass", "mass_decode", "kivi", "pointwise"),
                         help="run one group of rows")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -186,7 +215,7 @@ def main() -> None:
     bw = measure_read_bandwidth()
     print(json.dumps(bw))
     rows = []
-    groups = [args.only] if args.only else ["attention", "ops", "mass", "kivi"]
+    groups = [args.only] if args.only else ["attention", "ops", "mass", "kivi", "pointwise"]
     for group in groups:
         try:
             if group == "attention":
@@ -197,6 +226,8 @@ def main() -> None:
                 new = kivi_rows(copies, iters, args.sweep)
             elif group == "mass_decode":
                 new = mass_decode_rows(copies, iters, args.sweep)
+            elif group == "pointwise":
+                new = pointwise_rows(copies)
             else:
                 new = mass_rows(copies, iters, args.sweep)
         except Exception as err:  # keep the other groups' rows if one fails

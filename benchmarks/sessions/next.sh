@@ -42,8 +42,9 @@
 # 2026-12-03 fourth session: fused (fuse_pointwise: 3 GPU tests; vanilla 0.938x HF at 32K x 1 and x 4, 0.965x at 128K),
 # test_mixed_cuda + test_kivi_cuda (19 passed), every method's prefill at 32K / 128K, verify_b (62 passed), verify
 # minus mixed / kivi (49 passed), test_export_cuda (1 passed, then the call's 400 s ran out: it needs a call of its own).
-# One start refused (91 s). Next: test_export_cuda alone (~8 min cold); user_points POINT=131072x1 NEW=513 (h2o vs
-# snapkv); profile METHODS=quest,omnikv; kivi_capacity; ncu of the KIVI kernel; 32Kx16 / 128Kx4 user points.
+# One start refused (91 s). Next: test_export_cuda alone (~8 min cold); kernels.py --only pointwise --quick (~1 min);
+# user_points POINT=131072x1 NEW=513 (h2o vs snapkv); profile METHODS=quest,omnikv; kivi_capacity; ncu of the KIVI
+# kernel; 32Kx16 / 128Kx4 user points.
 # 2026-12-03 third session: kivi_v2 (the transposed KIVI kernel: 11 GPU tests passed, 18-config sweep), SWEEP=1
 # kivi_v2_points (bf16 scales, 24 configs: 2 warps, 2 stages, maxnreg 128 -> KIVI_DECODE_CONFIG), kivi_v2_points
 # (128K x 4: kivi2 1.09x vanilla), then test_kivi_cuda + test_mixed_cuda by hand (the mixed snapkv+kivi case synced
