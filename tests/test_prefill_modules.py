@@ -52,6 +52,8 @@ def test_prefill_mlp_chunk_zero_keeps_one_call_and_bad_values_are_refused():
     for bad in (-1, 2.5, True):
         with pytest.raises(MethodConfigError, match="prefill_mlp_chunk"):
             EngineConfig(prefill_mlp_chunk=bad)
+    with pytest.raises(MethodConfigError, match="fuse_pointwise must be True or False"):
+        EngineConfig(fuse_pointwise="yes")
 
 
 @pytest.fixture
