@@ -50,23 +50,32 @@ def _mlp_modules(module: nn.Module) -> bool:
     return hasattr(module, "up_proj") and hasattr(module, "down_proj")
 
 
+def _agrees(weight: torch.Tensor, leading: tuple[int, ...], ours: Callable, theirs: Callable) -> bool:
+    """Whether ``ours(x)`` equals ``theirs(x)`` exactly on one random ``x [*leading, weight.shape[-1]]`` in the
+    weight's dtype and device (a failure of either means no)."""
+    if weight.device.type == "meta":
+        return False
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(*leading, weight.shape[-1], generator=generator, device=weight.device).to(weight.dtype)
+    try:
+        with torch.no_grad():
+            return torch.equal(ours(x), theirs(x))
+    except Exception:  # noqa: BLE001 - any failure means "not this formula": keep the module's forward
+        return False
+
+
 def _silu_mlp(module: nn.Module) -> bool:
     """Whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (checked on a random input)."""
     act = getattr(module, "act_fn", None)
     names = ("gate_proj", "up_proj", "down_proj")
     if act is None or not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
         return False
+
+    def formula(x: torch.Tensor) -> torch.Tensor:
+        return module.down_proj(F.silu(module.gate_proj(x)) * module.up_proj(x))
+
     weight = module.gate_proj.weight
-    if weight.device.type == "meta":
-        return False
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(1, 3, weight.shape[1], generator=generator, device=weight.device).to(weight.dtype)
-    try:
-        with torch.no_grad():
-            want = module.down_proj(F.silu(module.gate_proj(x)) * module.up_proj(x))
-            return torch.equal(act(x), F.silu(x)) and torch.equal(module.forward(x), want)
-    except Exception:  # noqa: BLE001 - any failure means "not this formula": keep the module's forward
-        return False
+    return _agrees(weight, (1, 3), act, F.silu) and _agrees(weight, (1, 3), module.forward, formula)
 
 
 def _mlp_forward(forward: Callable, module: nn.Module, tokens: int, fused: bool) -> Callable:
@@ -113,16 +122,9 @@ def _norm_eps(module: nn.Module) -> float | None:
 
 def _llama_norm(module: nn.Module, eps: float) -> bool:
     """Whether ``module`` computes :func:`rms_norm_reference` (checked on a random input, exactly)."""
-    weight = module.weight
-    if weight.device.type == "meta" or any(True for _ in module.children()):
+    if any(True for _ in module.children()):
         return False
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(2, weight.shape[0], generator=generator, device=weight.device).to(weight.dtype)
-    try:
-        with torch.no_grad():
-            return torch.equal(module.forward(x), rms_norm_reference(x, weight, eps))
-    except Exception:  # noqa: BLE001 - any failure means "not this formula"
-        return False
+    return _agrees(module.weight, (2,), module.forward, lambda x: rms_norm_reference(x, module.weight, eps))
 
 
 def _norm_forward(forward: Callable, module: nn.Module, eps: float) -> Callable:
