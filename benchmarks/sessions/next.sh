@@ -370,6 +370,20 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernels.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+kivi_v3)  # #20: the KIVI kernel with values' scales on the probabilities' side, 8-column MMAs and deferred row sums
+  # (offline sm_90a: 569 SASS instructions a 2-bit key group, 939 before): GPU tests, then the sweep (~5 min)
+  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_v3.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_v3.log" | tail -6
+  timeout -s INT 330 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v3_sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -E '"config": "default"|best_of_sweep|error' "$OUT/kivi_v3_sweep.log" | cut -c1-330 | tail -16 ;;
+kivi_v3_points)  # #20: every swept launch configuration of the kivi_v3 kernel (~2 min), decode through the engine
+  # step at 128K x 4, then the mixed step's GPU tests (snapkv+kivi replays) (~9 min)
+  timeout -s INT 170 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v3_sweep_all.log" 2>&1
+  echo "sweep rc=$?"; grep -E 'best_of_sweep' "$OUT/kivi_v3_sweep_all.log" | cut -c1-300
+  timeout -s INT 280 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4} \
+    --out "$OUT/kivi_v3_h200.jsonl" > "$OUT/kivi_v3_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v3_points.log" | tail -14
+  timeout -s INT 110 $P tests/gpu/test_mixed_cuda.py > "$OUT/gpu_tests_mixed_kivi_v3.log" 2>&1
+  echo "mixed tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_mixed_kivi_v3.log" | tail -6 ;;
 kivi_v2)  # #20: the transposed KIVI decode kernel (codes as the MMA's first operand, dequantized in its registers):
   # GPU tests at real sizes, then the launch-configuration sweep at 32K / 128K (~5 min)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_v2.log" 2>&1

@@ -9,8 +9,10 @@ sliding window ``w > 0``).
 
 Triton kernel (CUDA): flash-decoding over the list, split across programs and merged by
 :func:`.paged_attention._combine_kernel`; every GQA query head of a KV head shares one program. A quantized tile is
-one key group, computed transposed (the codes are the MMAs' first operand): keys and values are dequantized in the
-MMA operand registers, four codes a register (:func:`_code_asm`); accumulation in fp32.
+one key group, computed transposed (the codes are the MMAs' first operand): keys are dequantized in the MMA operand
+registers, four codes a register (:func:`_code_asm`); values enter the MMA as exact codes, their per-slot scales
+multiplied into the probabilities and their zeros' share added per value group (the kernel's docstring);
+accumulation in fp32.
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ def _code_asm(bits: int, shift: int, dtype: torch.dtype) -> str:
             f" fma.rn.{ty} $0, u0, $3, $5; fma.rn.{ty} $1, u1, $4, $6; }}")
 
 
+def _code_only_asm(bits: int, shift: int, dtype: torch.dtype) -> str:
+    """PTX of :func:`_codes` for four codes: :func:`_code_asm` without its final ``code * scale + zero`` (the exact
+    codes as floats in ``$0, $1``; the values' scales and zeros are applied outside the dequantization)."""
+    ty = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
+    full = _code_asm(bits, shift, dtype)
+    return full[:full.index(f" fma.rn.{ty} u0, u0, one, m;")] + (f" fma.rn.{ty} $0, u0, one, m;"
+                                                                 f" fma.rn.{ty} $1, u1, one, m; }}")
+
+
 def chunk_layout(dim: int, bits: int, group: int) -> tuple[int, int]:
     """``(C, B)``: the decode kernel's channel chunk and the bytes per slot (``kivi_quant``'s byte layout). Chunk
     ``i`` holds channels ``[i * C, (i + 1) * C)``, inside one value group (``C <= group``), stored at bit
@@ -127,7 +138,7 @@ def fast_path_supported(group: int, dim: int, bits: int) -> bool:
     if bits not in (2, 4) or not triton_supported(group, dim):
         return False
     chunk, nbytes = chunk_layout(dim, bits, group)
-    return chunk >= 16 and nbytes in (chunk, 2 * chunk) and dim // chunk in (2, 4)
+    return chunk >= 16 and nbytes in (chunk, 2 * chunk) and dim // chunk in (2, 4) and dim // group <= 32
 
 
 if triton is not None:
@@ -158,12 +169,25 @@ if triton is not None:
                            tl.broadcast_to(tl.load(KZ + c).to(DT)[None, :], (G, C)), SHIFT, BITS, ASM, DT)
 
     @triton.jit
-    def _value_chunk(vb, VS, VZ, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr,
-                     G: tl.constexpr, C: tl.constexpr):
-        """Values ``[C, G]`` (transposed) of one chunk from bytes ``vb [C, G]``: each slot's scale and zero at the
-        pointers ``VS / VZ [G]``."""
-        return _dequantize(vb, tl.broadcast_to(tl.load(VS).to(DT)[None, :], (C, G)),
-                           tl.broadcast_to(tl.load(VZ).to(DT)[None, :], (C, G)), SHIFT, BITS, ASM, DT)
+    def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+        """uint8 bytes ``x`` -> the ``BITS``-bit codes at bit ``SHIFT`` as exact floats in ``DT`` (``ASM``: a
+        :func:`_code_only_asm` string, or empty for integer ops)."""
+        if ASM != "" and DT == tl.bfloat16:
+            return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4)
+        elif ASM != "":
+            return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return ((x.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)).to(tl.float32).to(DT)
+
+    @triton.jit
+    def _scaled(p, VS, DT: tl.constexpr):
+        """``p [slots, rows]`` times each slot's value scale at the pointers ``VS [slots]``, as an MMA operand."""
+        return (p * tl.load(VS).to(tl.float32)[:, None]).to(DT)
+
+    @triton.jit
+    def _row(z, i: tl.constexpr):
+        """Row ``i`` of ``z [R, rows]`` as ``[1, rows]``."""
+        return tl.sum(tl.where(tl.arange(0, z.shape[0])[:, None] == i, z, 0.0), 0)[None, :]
 
     @triton.jit
     def _mma(a, b, acc, DT: tl.constexpr):
@@ -173,13 +197,15 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _online(s, m_i, l_i):
-        """Online softmax over a transposed tile ``s [slots, rows]`` of base-2 logits (-inf = masked)."""
+    def _online(s, m_i, l_t):
+        """Online softmax over a transposed tile ``s [slots, rows]`` of base-2 logits (-inf = masked). The row sums
+        stay in the tile's shape, ``l_t [slots, rows]``, summed over slots once after the loop: one cross-warp
+        reduction a tile (the maximum) instead of two."""
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay NaN-free
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[None, :])
-        return m_new, alpha, p, l_i * alpha + tl.sum(p, 0)
+        return m_new, alpha, p, l_t * alpha[None, :] + p
 
     @triton.jit
     def _kivi_decode_kernel(Q, KC, VC, KS, KZ, VS, VZ, POS, RK, RV, RROWS, INDEX, LENGTHS, QUANT, QPOS,
@@ -190,12 +216,18 @@ if triton is not None:
                             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, BITS: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_F: tl.constexpr, C: tl.constexpr, NUM_SPLITS: tl.constexpr, DT: tl.constexpr,
-                            ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr):
+                            ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
+                            VSM0: tl.constexpr, VSM1: tl.constexpr, VSM2: tl.constexpr, VSM3: tl.constexpr):
         """One program: every query row of one (sequence, kv_head) over one split of its slots, computed transposed
         so the stored codes are the MMAs' first operand: ``s^T [slots, rows] = sum_i K_i [slots, C] . q_i^T`` and
         ``o_i^T [C, rows] += V_i^T [C, slots] . p^T`` per channel chunk ``i``. The compiler then moves the packed
         bytes, not the dequantized floats, into the MMA operand layout; each register of four codes is dequantized
-        there by ``ASM_i``. A quantized tile is one key group (its key scales per channel, values' per slot)."""
+        there (keys by ``ASM_i``: ``code * scale + zero`` with the group's per-channel scales). A quantized tile is
+        one key group. Values' scales and zeros are per slot, which in the operand layout would be a scalar load per
+        element pair; they are applied on the probabilities' side instead: ``V_i = codes_i * scale_g + zero_g``
+        (``g`` the chunk's value group) gives ``o_i^T += codes_i . (p * scale_g)^T + sum_s zero_g[s] p[s]``, the
+        codes exact floats (``VSM_i``) and the zeros' share of every group one small MMA a tile (``zacc``), added to
+        the group's channels after the loops."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // KV_HEADS
@@ -224,7 +256,8 @@ if triton is not None:
         lo = split * per_split
         hi = tl.minimum(length, lo + per_split)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        l_q = tl.zeros([G, BLOCK_M], tl.float32)  # row sums, elementwise (_online): quantized tiles
+        l_f = tl.zeros([BLOCK_F, BLOCK_M], tl.float32)  # and residual tiles
         a0 = tl.zeros([C, BLOCK_M], tl.float32)
         a1 = tl.zeros([C, BLOCK_M], tl.float32)
         a2 = tl.zeros([C, BLOCK_M], tl.float32)
@@ -232,6 +265,8 @@ if triton is not None:
         index = INDEX + b * stride_ib + h * stride_ih
         tok = tl.arange(0, G)
         VG: tl.constexpr = D // G  # value groups per slot
+        zg = tl.arange(0, 32)  # the zeros' MMA rows, VG of them real: 32 rows split over the warps like the others
+        zacc = tl.zeros([32, BLOCK_M], tl.float32)  # sum_s zero_g[s] p[s] per value group g
         qhi = tl.minimum(hi, quant)
         for start in range(lo, qhi, G):  # quantized slots: whole groups (quant and the splits are group-aligned)
             page = tl.load(index + start // PAGE).to(tl.int64)
@@ -249,21 +284,22 @@ if triton is not None:
                 s = _mma(_key_chunk(kb1, ks + 3 * C, kz + 3 * C, (3 * C // B) * BITS, BITS, ASM3, DT, G, C), q3, s, DT)
             kpos = tl.load(POS + slot)
             s = tl.where(tl.trans(visible(kpos, qpos, window)), s, float("-inf"))
-            m_i, alpha, p, l_i = _online(s, m_i, l_i)
-            p = p.to(DT)
+            m_i, alpha, p, l_q = _online(s, m_i, l_q)
             vb0 = tl.load(VC + slot[None, :] * B + c[:, None])  # [C, G] bytes
             vb1 = vb0
             if B > C:
                 vb1 = tl.load(VC + slot[None, :] * B + C + c[:, None])
-            vs, vz = VS + slot * VG, VZ + slot * VG  # a slot's scale / zero of chunk i: [slot * VG + i * C // G]
-            a0 = _mma(_value_chunk(vb0, vs, vz, 0, BITS, ASM0, DT, G, C), p, a0 * alpha[None, :], DT)
-            a1 = _mma(_value_chunk(vb1, vs + C // G, vz + C // G, (C // B) * BITS, BITS, ASM1, DT, G, C), p,
-                      a1 * alpha[None, :], DT)
+            vs = VS + slot * VG  # a slot's scale of chunk i: [slot * VG + i * C // G]
+            a0 = _mma(_codes(vb0, 0, BITS, VSM0, DT), _scaled(p, vs, DT), a0 * alpha[None, :], DT)
+            a1 = _mma(_codes(vb1, (C // B) * BITS, BITS, VSM1, DT), _scaled(p, vs + C // G, DT), a1 * alpha[None, :],
+                      DT)
             if NCH == 4:
-                a2 = _mma(_value_chunk(vb0, vs + 2 * C // G, vz + 2 * C // G, (2 * C // B) * BITS, BITS, ASM2, DT, G,
-                                       C), p, a2 * alpha[None, :], DT)
-                a3 = _mma(_value_chunk(vb1, vs + 3 * C // G, vz + 3 * C // G, (3 * C // B) * BITS, BITS, ASM3, DT, G,
-                                       C), p, a3 * alpha[None, :], DT)
+                a2 = _mma(_codes(vb0, (2 * C // B) * BITS, BITS, VSM2, DT), _scaled(p, vs + 2 * C // G, DT),
+                          a2 * alpha[None, :], DT)
+                a3 = _mma(_codes(vb1, (3 * C // B) * BITS, BITS, VSM3, DT), _scaled(p, vs + 3 * C // G, DT),
+                          a3 * alpha[None, :], DT)
+            zt = tl.load(VZ + slot[None, :] * VG + zg[:, None], mask=zg[:, None] < VG, other=0.0)  # [32, G]
+            zacc = _mma(zt.to(DT), p.to(DT), zacc * alpha[None, :], DT)
         ring = RK + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
         vring = RV + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
         for start in range(tl.maximum(lo, quant), hi, BLOCK_F):  # the full-precision residual
@@ -280,13 +316,21 @@ if triton is not None:
             page = tl.load(index + j // PAGE, mask=jm, other=0).to(tl.int64)
             kpos = tl.load(POS + (page * KV_HEADS + h) * PAGE + j % PAGE, mask=jm, other=-1)
             s = tl.where(tl.trans(visible(kpos, qpos, window)) & jm[:, None], s, float("-inf"))
-            m_i, alpha, p, l_i = _online(s, m_i, l_i)
+            m_i, alpha, p, l_f = _online(s, m_i, l_f)
+            l_q *= alpha[None, :]
+            zacc *= alpha[None, :]
             p = p.to(DT)
             a0 = _mma(tl.load(vr, mask=jm[None, :], other=0.0).to(DT), p, a0 * alpha[None, :], DT)
             a1 = _mma(tl.load(vr + C, mask=jm[None, :], other=0.0).to(DT), p, a1 * alpha[None, :], DT)
             if NCH == 4:
                 a2 = _mma(tl.load(vr + 2 * C, mask=jm[None, :], other=0.0).to(DT), p, a2 * alpha[None, :], DT)
                 a3 = _mma(tl.load(vr + 3 * C, mask=jm[None, :], other=0.0).to(DT), p, a3 * alpha[None, :], DT)
+        a0 += _row(zacc, 0)
+        a1 += _row(zacc, C // G)
+        if NCH == 4:
+            a2 += _row(zacc, 2 * C // G)
+            a3 += _row(zacc, 3 * C // G)
+        l_i = tl.sum(l_q, 0) + tl.sum(l_f, 0)
         inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
         ok = row_ok[None, :]
         if NUM_SPLITS == 1:
@@ -304,20 +348,23 @@ if triton is not None:
             tl.store(o + 3 * C, (a3 * inv[None, :]).to(ty), mask=ok)
 
 
-#: Launch configuration: the best of ``benchmarks/kernels.py --only kivi --sweep`` on the H200 (2-bit, bf16 scales,
-#: 24 configurations; ``results/kivi_v2_bf16_sweep_h200.log``) at 3 of its 4 points (32K x 16: the same with 4,224
-#: programs): 2 warps (the MMAs of a 32-slot key group split over them, the dequantization not duplicated; 4 warps
-#: would dequantize each tile twice), 2 stages, a 128-register cap for 8 programs per SM (459 against 528 us at 128K
-#: x 4 without it).
-KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112, "maxnreg": 128}
+#: Launch configuration (``benchmarks/kernels.py --only kivi --sweep`` on the H200, 2-bit, bf16 scales; the kernel
+#: with values' scales on the probabilities' side, ``results/kivi_v3_sweep_h200.log``): 2 warps (the MMAs of a
+#: 32-slot key group split over them, the dequantization not duplicated; 4 warps would dequantize each tile twice),
+#: 2 stages, no register cap (the best configuration at every point had none; the kernel needs about 150 registers
+#: without spilling, the cap of 128 that the previous kernel wanted now costs 1-12 %).
+KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112}
 
 
 def _asm_strings(bits: int, dim: int, group: int, query_dtype: torch.dtype, on_gpu: bool) -> list[str]:
-    """The four chunks' :func:`_code_asm` (empty strings: integer ops and fp32 math)."""
+    """The four chunks' key :func:`_code_asm`, then their value :func:`_code_only_asm` (empty strings: integer ops
+    and fp32 math)."""
     chunk, nbytes = chunk_layout(dim, bits, group)
     if not on_gpu or query_dtype not in (torch.bfloat16, torch.float16):
-        return [""] * 4
-    return [_code_asm(bits, (i * chunk // nbytes) * bits, query_dtype) for i in range(4)]
+        return [""] * 8
+    shifts = [(i * chunk // nbytes) * bits for i in range(4)]
+    return ([_code_asm(bits, sh, query_dtype) for sh in shifts]
+            + [_code_only_asm(bits, sh, query_dtype) for sh in shifts])
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
@@ -335,7 +382,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
                                                sliding_window, span=index.shape[2] * page_size)
     query, index, q_positions = launch_inputs(query, index, q_positions)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
-    block_m = max(16, triton.next_power_of_2(queries * group))
+    block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
     splits = num_splits or _num_splits(batch * heads, span, 4 * group_size, cfg["target_programs"])
@@ -355,7 +402,8 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         float(scale), int(sliding_window), queries,
         KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
         BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
-        ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6], VSM3=asm[7],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
     )
     if splits > 1:

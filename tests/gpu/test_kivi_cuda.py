@@ -4,9 +4,10 @@ replayed as CUDA graphs equal to eager decode.
 
 Tolerances: quantize-on-write is exact (same fp32 formulas, divisions rounded to nearest, casts to fp16 / bf16
 rounded to nearest), so codes, scales and zeros must be equal. Decode attention in bf16 runs its dots on bf16
-operands (the scaled query, keys and values dequantized in registers with one rounding, the probabilities) with
-fp32 accumulation against an fp32 reference: outputs of unit scale agree to 3e-2 (the dense bf16 kernel's own
-error is ~1e-2); fp16 the same.
+operands (the scaled query; keys dequantized in registers with one rounding; value codes, exact, against the
+probabilities times each slot's value scale; the value zeros against the probabilities) with fp32 accumulation
+against an fp32 reference: outputs of unit scale agree to 3e-2 (the dense bf16 kernel's own error is ~1e-2); fp16
+the same.
 """
 
 from __future__ import annotations
