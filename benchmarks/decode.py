@@ -131,6 +131,14 @@ def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
     return counts
 
 
+def pages_per_sequence(oracle, context: int, generated: int) -> int:
+    """Pages one sequence holds after ``generated`` decode tokens plus what one more step writes before it evicts
+    (an H2O step adds a token to a full budget, then evicts one: at batch 16 that is 512 pages over the resident
+    size, which a pool sized by the resident slots alone lacked)."""
+    resident = oracle.resident_slots_per_layer(context, generated)
+    return oracle.pages_for(resident) + oracle.step_cost(context, generated, 1)["kv_pages"]
+
+
 def engine_point(model, method: str, context: int, batch: int, warmup: int, steps: int, wbytes: int,
                  bandwidth: float, profile_path: str | None = None) -> Point:
     name, options = row_method(method)
@@ -140,8 +148,7 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
     controller = patched.controller
     # The pool holds what the method keeps after prefill (the prompt itself is never materialised here).
     generated = warmup + steps + PROFILE_STEPS
-    per_seq = controller.oracle.resident_slots_per_layer(context, generated)
-    controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
+    controller.configure_pool(batch * pages_per_sequence(controller.oracle, context, generated) + 64)
     cache = SparseCache(controller, expected_new_tokens=generated)
     torch.cuda.reset_peak_memory_stats()
     try:
@@ -264,8 +271,7 @@ def _fits(model, method: str, context: int, batch: int, extra_tokens: int) -> bo
     name, options = row_method(method)
     sparsecompile.optimize(model, name, compile=False, **options)
     controller = patched_model(model).controller
-    per_seq = controller.oracle.resident_slots_per_layer(context, extra_tokens)
-    controller.configure_pool(batch * controller.oracle.pages_for(per_seq) + 64)
+    controller.configure_pool(batch * pages_per_sequence(controller.oracle, context, extra_tokens) + 64)
     cache = SparseCache(controller, expected_new_tokens=extra_tokens)
     try:
         rows = cache.allocate(batch, context)

@@ -231,11 +231,10 @@ def fits(bench: Bench, model, method: str, context: int, batch: int, extra: int)
     sparsecompile.optimize(model, method, compile=False, **decode.METHOD_OPTIONS[method])
     controller = patched_model(model).controller
     local = getattr(controller, "local", controller)  # not the guarded proxy: an OOM here is an answer
-    per_seq = local.oracle.resident_slots_per_layer(context, extra)
     ok = True
     cache = None
     try:
-        local.configure_pool(batch * local.oracle.pages_for(per_seq) + 64)
+        local.configure_pool(batch * decode.pages_per_sequence(local.oracle, context, extra) + 64)
         cache = SparseCache(local, expected_new_tokens=extra)
         rows = cache.allocate(batch, context)
         decode._fill_synthetic(local, rows, context)
@@ -259,7 +258,7 @@ def guess(bench: Bench, model, method: str, context: int, extra: int) -> int:
     local = getattr(patched_model(model).controller, "local", None) or patched_model(model).controller
     try:
         per_page = local.build_pool(1, 1, 1).bytes_per_page
-        pages = local.oracle.pages_for(local.oracle.resident_slots_per_layer(context, extra))
+        pages = decode.pages_per_sequence(local.oracle, context, extra)
     finally:
         local.manager = None
         sparsecompile.restore(model)
