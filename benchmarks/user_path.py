@@ -24,6 +24,7 @@ Cost: a point costs three prefills plus a compile (32K x 1: about 40-70 s; 128K 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -181,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"method": method, "context": context, "batch": batch, "error": repr(err)[:300]}
                 sparsecompile.restore(model)
                 torch.cuda.empty_cache()
+            gc.collect()  # what the point left behind once optimize() is undone: a leak would show here
+            torch.cuda.empty_cache()
+            row["allocated_after_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+            row["reserved_after_GiB"] = round(torch.cuda.memory_reserved() / 2**30, 2)
             rows.append(row)
             with open(path, "a") as handle:
                 handle.write(json.dumps(row) + "\n")
