@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from method_matrix import DENSE_EQUIVALENT
-from tiny_models import ARCHITECTURES, left_padded_batch, tiny_pair
+from tiny_models import ARCHITECTURES, left_padded_batch, tiny_config, tiny_pair
+from transformers import LlamaForCausalLM
 
 import sparsecompile
 from sparsecompile.models.hf_patch import patched_model
@@ -73,7 +74,36 @@ def test_generate_returns_usable_cache_and_releases_pages():
     assert manager.allocator.num_free == manager.num_pages
 
 
-def test_sdpa_rewrite_fallback_for_falcon():
+class _RawSdpaLlama(LlamaForCausalLM):
+    """A causal LM that refuses ``set_attn_implementation`` (as Falcon did before transformers 5.25): its attention
+    stays HF's SDPA, which only the SDPA-rewrite fallback reaches."""
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return False
+
+
+def test_sdpa_rewrite_fallback_for_a_model_that_ignores_set_attn_implementation():
+    from sparsecompile.kernels.dense_attention import CALLS
+    from sparsecompile.models.hf_patch import SdpaFallback, patch_of
+
+    config = tiny_config("llama")
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    reference, model = _RawSdpaLlama(config).eval(), _RawSdpaLlama(config).eval()
+    model.load_state_dict(reference.state_dict())
+    ids, mask = left_padded_batch((9, 6, 4))
+    want = reference.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    sparsecompile.optimize(model, "vanilla", compile=False)
+    assert isinstance(patch_of(model), SdpaFallback)
+    before = CALLS[0]
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **GREEDY), want)
+    assert CALLS[0] - before == 2 * GREEDY["max_new_tokens"]  # every layer, every forward, through our op
+
+
+def test_falcon_vanilla_equals_the_unpatched_model_on_its_path():
+    """Falcon ignores ``set_attn_implementation`` before transformers 5.25 (the SDPA-rewrite fallback) and takes
+    sparsecompile's attention from 5.25 on: the same tokens either way, every attention call through our ops."""
     from transformers import AutoModelForCausalLM, FalconConfig
 
     from sparsecompile.kernels.dense_attention import CALLS
@@ -87,6 +117,11 @@ def test_sdpa_rewrite_fallback_for_falcon():
     ids, mask = left_padded_batch((9, 6, 4))
     want = reference.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     sparsecompile.optimize(model, "vanilla", compile=False)
-    before = CALLS[0]
+    fallback = not type(model)._can_set_attn_implementation()
+
+    def calls() -> int:
+        return CALLS[0] if fallback else patched_model(model).controller.attention_calls
+
+    before = calls()
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **GREEDY), want)
-    assert CALLS[0] - before == 2 * GREEDY["max_new_tokens"]  # every layer, every forward, through our op
+    assert calls() - before == 2 * GREEDY["max_new_tokens"]  # every layer, every forward

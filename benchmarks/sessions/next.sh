@@ -39,6 +39,13 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-03 fifth session: kivi_v3 (the reworked KIVI kernel: 11 GPU tests passed; 2-bit 335 us at 128K x 4, 459
+# before), kivi_v3_points (every swept config logged; kivi2 1.35x vanilla at 128K x 4; the mixed tests cut by the call's
+# timeout, then by hand: 8 passed), user_points 32768x16 snapkv,h2o,vanilla,quest (snapkv 1.022; h2o's engine point ran
+# out of pages: decode.py's pool sizing fixed since; vanilla / quest out of memory after it: user_path.py now records
+# the memory each point leaves behind). Two starts refused (~240 s of the budget). Next: user_points POINT=32768x16
+# METHODS=h2o,vanilla NEW=257 first (whether a point leaves memory behind: allocated_after_GiB), then snapkv,quest,
+# omnikv; POINT=131072x1 NEW=513 (h2o vs snapkv); test_export_cuda alone; kernels.py --only pointwise --quick.
 # 2026-12-03 fourth session: fused (fuse_pointwise: 3 GPU tests; vanilla 0.938x HF at 32K x 1 and x 4, 0.965x at 128K),
 # test_mixed_cuda + test_kivi_cuda (19 passed), every method's prefill at 32K / 128K, verify_b (62 passed), verify
 # minus mixed / kivi (49 passed), test_export_cuda (1 passed, then the call's 400 s ran out: it needs a call of its own).

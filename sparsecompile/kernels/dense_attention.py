@@ -1,6 +1,6 @@
 """``sparsecompile::dense_attention``: SDPA-compatible dense attention, the target of the SDPA-rewrite pass.
 
-Used only for models that ignore ``set_attn_implementation`` (e.g. Falcon): the FX pass replaces
+Used only for models that ignore ``set_attn_implementation`` (Falcon before transformers 5.25): the FX pass replaces
 their raw SDPA calls with this op so that every attention site is still ours, observable and
 countable. On CUDA it calls SDPA too (cuDNN / flash read K/V at about 4.6 TB/s on the H200).
 """

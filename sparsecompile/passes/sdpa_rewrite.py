@@ -1,8 +1,8 @@
 """SDPA-rewrite fallback: replace raw SDPA nodes of a dynamo graph with ``sparsecompile::dense_attention``.
 
-For models whose attention ignores ``set_attn_implementation`` (Falcon): there is no hook where the
-cache could be handed over, so only dense attention (``vanilla``) can run this way; the KV stays in
-transformers' own cache. The pass runs on dynamo's FX graph, before decomposition, where each SDPA
+For models whose attention ignores ``set_attn_implementation`` (Falcon before transformers 5.25): there is no
+hook where the cache could be handed over, so only dense attention (``vanilla``) can run this way; the KV stays
+in transformers' own cache. The pass runs on dynamo's FX graph, before decomposition, where each SDPA
 call is still one node.
 """
 

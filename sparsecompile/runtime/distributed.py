@@ -27,6 +27,7 @@ Failure (a rank raising inside a controller call; see :class:`DistributedControl
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -118,6 +119,15 @@ class Watchdog(threading.Thread):
         super().__init__(name="sparsecompile-tp-watchdog", daemon=True)
         self.session, self.poll, self.grace = session, poll, grace
         self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Stop polling and wait for the thread: it must not be inside a store call while the process group (or
+        the interpreter, at exit) tears the store down: that raced into heap corruption ("malloc(): unaligned tcache
+        chunk detected") in a gloo rank of the CPU tests."""
+        self.stopped.set()
+        atexit.unregister(self.stop)
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=10 * self.poll)
 
     def run(self) -> None:
         s = self.session
@@ -223,7 +233,7 @@ class Session:
         import torch.distributed as dist
 
         if self.watchdog is not None:
-            self.watchdog.stopped.set()
+            self.watchdog.stop()
         if _SESSION is not self:  # already left (a later session may own the process group now)
             return
         _SESSION = None
@@ -301,6 +311,7 @@ def start_session(size: int, owns_process_group: bool, timeout: float) -> Sessio
                       owns_process_group)
     session.watchdog = Watchdog(session, grace=timeout)
     session.watchdog.start()
+    atexit.register(session.watchdog.stop)  # before the interpreter frees the store under a polling thread
     _SESSION = session
     return session
 
@@ -315,7 +326,7 @@ def shutdown() -> None:
         return
     _SESSION = None
     if session.watchdog is not None:
-        session.watchdog.stopped.set()
+        session.watchdog.stop()
     if session.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
 
