@@ -100,12 +100,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _logged_rank(rank: int, fn, port: int, out: str) -> None:
+    """A spawned rank with its stdout / stderr in ``out.<rank>.log`` (pytest does not show a child's output)."""
+    log = os.open(f"{out}.{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    fn(rank, port, out)
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return handle.read()[-chars:]
+    except OSError:
+        return "(no log)"
+
+
 def run_ranks(fn, size: int, out: str, timeout: float, while_running=None):
     """Start ``fn(rank, port, out)`` in ``size`` spawned processes; call ``while_running()`` meanwhile; return its
-    result and each rank's JSON file ``out.<rank>``. Fails if a rank hangs or exits with an error."""
+    result and each rank's JSON file ``out.<rank>``. Fails if a rank hangs or exits with an error (with the tail of
+    each rank's output)."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(fn, args=(free_port(), out), nprocs=size, join=False, start_method="spawn")
+    context = mp.start_processes(_logged_rank, args=(fn, free_port(), out), nprocs=size, join=False,
+                                 start_method="spawn")
     try:
         result = while_running() if while_running is not None else None
     finally:
@@ -114,6 +132,8 @@ def run_ranks(fn, size: int, out: str, timeout: float, while_running=None):
         alive = [p for p in context.processes if p.is_alive()]
         for p in alive:
             p.kill()
-    assert not alive, "a rank hung"
-    assert [p.exitcode for p in context.processes] == [0] * size
+    logs = "\n".join(f"--- rank {r} (exit code {p.exitcode}):\n{_tail(f'{out}.{r}.log')}"
+                     for r, p in enumerate(context.processes))
+    assert not alive, f"a rank hung\n{logs}"
+    assert [p.exitcode for p in context.processes] == [0] * size, logs
     return result, [json.load(open(f"{out}.{rank}")) for rank in range(size)]
