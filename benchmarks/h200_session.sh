@@ -22,7 +22,7 @@ case "${1:?stage}" in
   tests)
     timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu >"$RESULTS/gpu_tests.log" 2>&1
     echo "tests/gpu rc=$?" >>"$RESULTS/gpu_tests.log"
-    timeout 200 python3 benchmarks/kernels.py --out "$RESULTS" >"$RESULTS/kernels.log" 2>&1
+    timeout 200 python3 benchmarks/kernel_bench.py --out "$RESULTS" >"$RESULTS/kernels.log" 2>&1
     ;;
   targets)
     timeout 320 "${bench[@]}" --points 32768x1,32768x16,131072x4 --methods vanilla --max-batch "" --prefill "" \
@@ -33,7 +33,7 @@ case "${1:?stage}" in
   capacity)
     timeout 400 "${bench[@]}" --methods "" --no-hf --max-batch vanilla,snapkv --profile-max-batch \
       --prefill vanilla,snapkv,h2o --profile-prefill --append >"$RESULTS/capacity.log" 2>&1
-    timeout 150 python3 benchmarks/kernels.py --out "$RESULTS" >"$RESULTS/kernels.log" 2>&1
+    timeout 150 python3 benchmarks/kernel_bench.py --out "$RESULTS" >"$RESULTS/kernels.log" 2>&1
     ;;
   grid)
     timeout 270 "${bench[@]}" --points 131072x1 --methods vanilla,quest,omnikv,snapkv --no-hf --max-batch "" \

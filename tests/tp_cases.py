@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
+import traceback
 
 import torch
 
@@ -105,7 +107,12 @@ def _logged_rank(rank: int, fn, port: int, out: str) -> None:
     log = os.open(f"{out}.{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    fn(rank, port, out)
+    try:
+        fn(rank, port, out)
+    except BaseException:  # torch.multiprocessing keeps the traceback for a join() that run_ranks does not make
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
 
 
 def _tail(path: str, chars: int = 3000) -> str:

@@ -10,7 +10,7 @@ timeout 200 $P "tests/gpu/test_export_cuda.py::test_a_fresh_process_serves_the_8
   tests/gpu/test_export_cuda.py::test_the_exported_form_serves_without_aoti tests/gpu/test_kivi_cuda.py \
   tests/gpu/test_multiturn_cuda.py > "$OUT/gpu_tests_c.log" 2>&1; echo "tests rc=$?"
 grep -E "^E  |^FAILED|passed|failed" "$OUT/gpu_tests_c.log" | grep -v DEBUG | head -20
-timeout 120 python3 benchmarks/kernels.py --quick --sweep --only kivi --out "$OUT" > "$OUT/kivi_sweep_c.log" 2>&1
+timeout 120 python3 benchmarks/kernel_bench.py --quick --sweep --only kivi --out "$OUT" > "$OUT/kivi_sweep_c.log" 2>&1
 echo "sweep rc=$?"; grep -E "best_of_sweep|default" "$OUT/kivi_sweep_c.log" | cut -c1-400 | tail -14
 timeout 265 python3 benchmarks/multiturn.py --quick --methods vanilla,snapkv --kvzip-cost 8192,32768 --arm-timeout 60 \
   --out "$OUT/multiturn_h200.jsonl" > "$OUT/multiturn_c.log" 2>&1; echo "multiturn rc=$?"; tail -16 "$OUT/multiturn_c.log"

@@ -9,7 +9,7 @@
 #   bash benchmarks/sessions/next.sh e2e_b      # #13 e2e pyramidkv, omnikv, streamingllm (+ HF eager); burst (ran 2026-12-01) ~5 min
 #   bash benchmarks/sessions/next.sh llm        # #13 LLM rows after the chunk fix (4 methods, 32K / 128K); batch 4 rows  ~8 min
 #   bash benchmarks/sessions/next.sh burst      # #13 serving burst with the prompt cap beside decodes (512, 256)       ~4 min
-#   bash benchmarks/sessions/next.sh ops        # kernels.py --only ops: topk_select r1 vs r8, quest scores; topk warps ~1 min
+#   bash benchmarks/sessions/next.sh ops        # kernel_bench.py --only ops: topk_select r1 vs r8, quest scores; topk warps ~1 min
 #   bash benchmarks/sessions/next.sh verify     # every GPU test but export / TP (-v: names of what passed)         ~9 min
 #   bash benchmarks/sessions/next.sh profile    # #14: user_path snapkv + vanilla (generate vs engine; warm process) ~6 min
 #   bash benchmarks/sessions/next.sh burst_compiled  # #13 burst, compile_prefill vs capped at 512            ~8 min
@@ -24,7 +24,7 @@
 #   bash benchmarks/sessions/next.sh kivi_kernel  # #20 KIVI kernel: GPU tests, config sweep, ncu (ran 2026-12-02) ~4 min
 #   bash benchmarks/sessions/next.sh mass_ab      # #13 transposed mass kernel vs the earlier one; h2o prefill (ran) ~3 min
 #   bash benchmarks/sessions/next.sh mass_ab2     # #13 its super-tile / stage sweep, h2o profile, topk r1 / r2 / r8 (ran; r2 since removed) ~3 min
-#   bash benchmarks/sessions/next.sh mass         # the attention-mass rows of kernels.py (decode, SnapKV, KVzip)  ~2 min
+#   bash benchmarks/sessions/next.sh mass         # the attention-mass rows of kernel_bench.py (decode, SnapKV, KVzip)  ~2 min
 #   bash benchmarks/sessions/next.sh verify_b     # the second half of verify (prefill attention incl. flex, selection)
 #   bash benchmarks/sessions/next.sh split        # #13 cuDNN split prefill attention: tests, attention rows, prefill ~7 min
 #   bash benchmarks/sessions/next.sh b4_profile   # #13 vanilla vs HF at 32K x 4, profiled                          ~3 min
@@ -45,11 +45,11 @@
 # out of pages: decode.py's pool sizing fixed since; vanilla / quest out of memory after it: user_path.py now records
 # the memory each point leaves behind). Two starts refused (~240 s of the budget). Next: user_points POINT=32768x16
 # METHODS=h2o,vanilla NEW=257 first (whether a point leaves memory behind: allocated_after_GiB), then snapkv,quest,
-# omnikv; POINT=131072x1 NEW=513 (h2o vs snapkv); test_export_cuda alone; kernels.py --only pointwise --quick.
+# omnikv; POINT=131072x1 NEW=513 (h2o vs snapkv); test_export_cuda alone; kernel_bench.py --only pointwise --quick.
 # 2026-12-03 fourth session: fused (fuse_pointwise: 3 GPU tests; vanilla 0.938x HF at 32K x 1 and x 4, 0.965x at 128K),
 # test_mixed_cuda + test_kivi_cuda (19 passed), every method's prefill at 32K / 128K, verify_b (62 passed), verify
 # minus mixed / kivi (49 passed), test_export_cuda (1 passed, then the call's 400 s ran out: it needs a call of its own).
-# One start refused (91 s). Next: test_export_cuda alone (~8 min cold); kernels.py --only pointwise --quick (~1 min);
+# One start refused (91 s). Next: test_export_cuda alone (~8 min cold); kernel_bench.py --only pointwise --quick (~1 min);
 # user_points POINT=131072x1 NEW=513 (h2o vs snapkv); profile METHODS=quest,omnikv; kivi_capacity; ncu of the KIVI
 # kernel; 32Kx16 / 128Kx4 user points.
 # 2026-12-03 third session: kivi_v2 (the transposed KIVI kernel: 11 GPU tests passed, 18-config sweep), SWEEP=1
@@ -70,7 +70,7 @@
 # (63 passed), sync_points.py (h2o, vanilla), prefill h2o / vanilla / HF x5 after the host-copy commit.
 # 2026-12-02 fifth session: split (cuDNN split: faster everywhere -> SPLIT = True), split_matrix, split_tests (+ the
 # rest by hand: 57 passed), vanilla b4 HF vs ours before / after row-range MLP chunks (1.019x -> 1.005x, profiled),
-# user_path h2o with programs (warm process 0.3 s, first call 94.5 s), h2o vs snapkv (0.873x), kernels.py --only mass.
+# user_path h2o with programs (warm process 0.3 s, first call 94.5 s), h2o vs snapkv (0.873x), kernel_bench.py --only mass.
 # 2026-12-02 sixth session: h2o_victim (the two-pass lowest_slot: no gain), quest_profile, mass_decode (-> MASS_DECODE_CONFIG),
 # h2o_profile (lowest_slot 12.6 us a layer), h2o_victim2 (one tile: h2o 0.980x snapkv through generate()), quest
 # (topk tail + shared OmniKV slots: 128K x 4 only, no tests, no profile; the GPU time ran out).
@@ -158,7 +158,7 @@ kivi_fix)  # #20 after the in-place commit: the 128K x 4 points
   grep '"tok_s"' "$OUT/kivi_h200_b.jsonl" | cut -c1-260 ;;
 mass_sweep)  # #13 h2o prefill (1.30x vanilla at 32K): the mass pass's launch configs, "super" tiles (a branch-free
   # inner loop) against the per-tile skip, at H2O's default 8192-token chunk too (~5 min)
-  timeout -s INT 420 python3 benchmarks/kernels.py --only mass --sweep --quick --out "$OUT" > "$OUT/kernels_mass_sweep.log" 2>&1
+  timeout -s INT 420 python3 benchmarks/kernel_bench.py --only mass --sweep --quick --out "$OUT" > "$OUT/kernels_mass_sweep.log" 2>&1
   echo "rc=$?"; grep -E "prefill" "$OUT/kernels_mass_sweep.log" | sort -t: -k1,1 | cut -c1-260 | tail -40 ;;
 mass_ab)  # #13 h2o prefill: the transposed mass kernel (keys as the register operand, unmasked whole tiles) against
   # the previous one: GPU tests, the A/B sweep (mass_ab.py), then the fastest config as the device copy's default,
@@ -292,7 +292,7 @@ quest_profile)  # #14: quest / omnikv at 128K x 4 against vanilla (2.42x / 2.17x
   echo "rc=$?"; grep -E '"method"' "$OUT/quest_profile.log" | cut -c1-220; tail -3 "$OUT/quest_profile.log" | cut -c1-200 ;;
 mass_decode)  # #14: h2o_accumulate at decode size (batch 64, budget 2048: 103 us, 58 % of the bandwidth; target
   # 70 %), 97 launch configs (~2 min); a faster one becomes MASS_DECODE_CONFIG
-  timeout -s INT 200 python3 benchmarks/kernels.py --only mass_decode --sweep --out "$OUT" > "$OUT/mass_decode_sweep.log" 2>&1
+  timeout -s INT 200 python3 benchmarks/kernel_bench.py --only mass_decode --sweep --out "$OUT" > "$OUT/mass_decode_sweep.log" 2>&1
   echo "rc=$?"; python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/kernels_mass_decode.jsonl')][1:]
 for r in sorted([r for r in rows if 'us' in r], key=lambda r: r['us'])[:6]: print(round(r['us'], 1), r['kernel'], r.get('config'))" ;;
 split_matrix)  # #13 with SPLIT the default: HF forward / generate and the 7 methods at 32K and 128K, batch 1 (~5 min)
@@ -316,9 +316,9 @@ gaps_h2o)  # #13: where h2o's 32K prefill idles the GPU at its default 8192-toke
   # against vanilla's 1,361, its wall time is 169 ms longer) (~1.5 min)
   timeout -s INT 150 python3 benchmarks/gpu_gaps.py --method h2o --context 32768 --out "$OUT" > "$OUT/gaps_h2o.log" 2>&1
   echo "rc=$?"; head -c 3000 "$OUT/gpu_gaps_h2o_32768.txt" ;;
-mass)  # the attention-mass rows of kernels.py (h2o decode / prefill chunks, SnapKV window, KVzip) with the current
+mass)  # the attention-mass rows of kernel_bench.py (h2o decode / prefill chunks, SnapKV window, KVzip) with the current
   # kernel (~2 min)
-  timeout -s INT 200 python3 benchmarks/kernels.py --only mass --out "$OUT" > "$OUT/kernels_mass.log" 2>&1
+  timeout -s INT 200 python3 benchmarks/kernel_bench.py --only mass --out "$OUT" > "$OUT/kernels_mass.log" 2>&1
   echo "rc=$?"; grep -E "us" "$OUT/kernels_mass.log" | cut -c1-220 | tail -12 ;;
 mass_ab2)  # #13 h2o prefill after mass_ab (2026-12-02: super tiles of 4, 4 warps: 1.70 ms at the 8192 chunk, 2x the
   # previous kernel): supers 4-16 x stages 2-3 x tiles, the fastest made the device default; HF / vanilla / h2o at
@@ -332,10 +332,10 @@ mass_ab2)  # #13 h2o prefill after mass_ab (2026-12-02: super tiles of 4, 4 warp
   timeout -s INT 60 python3 benchmarks/prefill.py --systems sparsecompile --methods h2o --contexts 32768 --batches 1 \
     --chunk-sizes default --profile --out "$OUT" --tag _h200_mass2 > "$OUT/prefill_h2o_profile.log" 2>&1
   echo "profile rc=$?"; grep -A14 "category" "$OUT"/profile_prefill_*h2o*mass2.txt | head -16
-  timeout -s INT 100 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  timeout -s INT 100 python3 benchmarks/kernel_bench.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "ops rc=$?"; grep -E "topk" "$OUT/kernels_ops.log" | cut -c1-220 ;;
 ops)  # + quest_ops_sweep.py: Quest's page-score launch configs and the top-k select's warps at 128K x 4 (~2 min)
-  timeout -s INT 200 python3 benchmarks/kernels.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  timeout -s INT 200 python3 benchmarks/kernel_bench.py --only ops --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "topk|quest" "$OUT/kernels_ops.log" | cut -c1-220
   timeout 200 python3 benchmarks/sessions/quest_ops_sweep.py > "$OUT/quest_ops_sweep_h200.jsonl"; echo "sweep rc=$?"
   cut -c1-200 "$OUT/quest_ops_sweep_h200.jsonl" ;;
@@ -372,20 +372,20 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   # 2026-12-02: two bit-plane rewrites measured this way, results/kivi_kernel_variants_h200.md)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi.log" | tail -6
-  timeout -s INT 330 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_sweep.log" 2>&1
+  timeout -s INT 330 python3 benchmarks/kernel_bench.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_sweep.log" 2>&1
   echo "sweep rc=$?"; grep -E "best_of_sweep|error" "$OUT/kivi_sweep.log" | cut -c1-330 | tail -14
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
-    --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernels.py --only kivi --quick \
+    --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
 kivi_v3)  # #20: the KIVI kernel with values' scales on the probabilities' side, 8-column MMAs and deferred row sums
   # (offline sm_90a: 569 SASS instructions a 2-bit key group, 939 before): GPU tests, then the sweep (~5 min)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_v3.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_v3.log" | tail -6
-  timeout -s INT 330 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v3_sweep.log" 2>&1
+  timeout -s INT 330 python3 benchmarks/kernel_bench.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v3_sweep.log" 2>&1
   echo "sweep rc=$?"; grep -E '"config": "default"|best_of_sweep|error' "$OUT/kivi_v3_sweep.log" | cut -c1-330 | tail -16 ;;
 kivi_v3_points)  # #20: every swept launch configuration of the kivi_v3 kernel (~2 min), decode through the engine
   # step at 128K x 4, then the mixed step's GPU tests (snapkv+kivi replays) (~9 min)
-  timeout -s INT 170 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v3_sweep_all.log" 2>&1
+  timeout -s INT 170 python3 benchmarks/kernel_bench.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v3_sweep_all.log" 2>&1
   echo "sweep rc=$?"; grep -E 'best_of_sweep' "$OUT/kivi_v3_sweep_all.log" | cut -c1-300
   timeout -s INT 280 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4} \
     --out "$OUT/kivi_v3_h200.jsonl" > "$OUT/kivi_v3_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v3_points.log" | tail -14
@@ -395,11 +395,11 @@ kivi_v2)  # #20: the transposed KIVI decode kernel (codes as the MMA's first ope
   # GPU tests at real sizes, then the launch-configuration sweep at 32K / 128K (~5 min)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_v2.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_v2.log" | tail -6
-  timeout -s INT 330 python3 benchmarks/kernels.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v2_sweep.log" 2>&1
+  timeout -s INT 330 python3 benchmarks/kernel_bench.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_v2_sweep.log" 2>&1
   echo "sweep rc=$?"; grep -E '"config": "default"|best_of_sweep|error' "$OUT/kivi_v2_sweep.log" | cut -c1-330 | tail -16 ;;
 kivi_v2_points)  # #20: decode through the engine step with the new kernel at 128K x 4 (vanilla, kivi 2 / 4 bits,
   # snapkv+kivi) and 32K x 1 (~6 min), after the kernel rows with bf16 scales (the "auto" default)
-  [ -n "${SWEEP:-}" ] && { timeout -s INT 300 python3 benchmarks/kernels.py --only kivi --quick --sweep --out "$OUT" \
+  [ -n "${SWEEP:-}" ] && { timeout -s INT 300 python3 benchmarks/kernel_bench.py --only kivi --quick --sweep --out "$OUT" \
     > "$OUT/kivi_v2_bf16.log" 2>&1; echo "kernels rc=$?"; grep -E '"config": "default"|best_of_sweep' \
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \

@@ -322,15 +322,15 @@ if triton is not None:
                 new = old + total
             tl.store(OUT + base, new, mask=jmask)
 
-# Launch configurations (benchmarks/kernels.py --only mass --sweep times the alternatives on the H200);
+# Launch configurations (benchmarks/kernel_bench.py --only mass --sweep times the alternatives on the H200);
 # the mass pass also takes "skip": False to test every query tile instead of skipping invisible ones, and
 # "super": S to decide skipping and masking once per S query tiles. The prefill default is the fastest of 24 at
 # H2O's 8192-token chunk (benchmarks/sessions/mass_ab.py, results/mass_ab2_h200.jsonl: 1.59 ms, 260 TFLOP/s of
 # QK^T, against 3.41 ms for the kernel before the transposed tiles); super tiles of 16 let the inner loop run
 # long enough for its query loads to be pipelined (same tiles and warps: 2.93 ms with super 1, 1.70 with 4).
-# The decode default is the fastest of 97 at H2O's decode shape (batch 64, budget 2048; benchmarks/kernels.py --only
-# mass_decode --sweep, results/kernels_mass_decode_h200.jsonl): 85.6 us, 71 % of the bandwidth, against 94.9 us for
-# 128-slot tiles in 2 stages.
+# The decode default is the fastest of 97 at H2O's decode shape (batch 64, budget 2048; benchmarks/kernel_bench.py
+# --only mass_decode --sweep, results/kernels_mass_decode_h200.jsonl): 85.6 us, 71 % of the bandwidth, against 94.9 us
+# for 128-slot tiles in 2 stages.
 LSE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "target_programs": 528}
 MASS_DECODE_CONFIG = {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 1}
 MASS_PREFILL_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "super": 16}

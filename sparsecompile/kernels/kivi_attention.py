@@ -348,7 +348,7 @@ if triton is not None:
             tl.store(o + 3 * C, (a3 * inv[None, :]).to(ty), mask=ok)
 
 
-#: Launch configuration (``benchmarks/kernels.py --only kivi --sweep`` on the H200, 2-bit, bf16 scales; the kernel
+#: Launch configuration (``benchmarks/kernel_bench.py --only kivi --sweep`` on the H200, 2-bit, bf16 scales; the kernel
 #: with values' scales on the probabilities' side, ``results/kivi_v3_sweep_h200.log``): 2 warps (the MMAs of a
 #: 32-slot key group split over them, the dequantization not duplicated; 4 warps would dequantize each tile twice),
 #: 2 stages, no register cap (the best configuration at every point had none; the kernel needs about 150 registers

@@ -172,7 +172,7 @@ def _num_splits(programs: int, span: int, block_n: int, target: int) -> int:
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(span, block_n)))
 
 
-# Launch configurations, tuned on the H200 with benchmarks/kernels.py --sweep (results in benchmarks/results):
+# Launch configurations, tuned on the H200 with benchmarks/kernel_bench.py --sweep (results in benchmarks/results):
 # long decode work (>= 2^20 list slots in the call) prefers 128-slot tiles and fewer, longer splits
 # (95% of HBM bandwidth at 32K x 16, 94% at 128K x 4); short work prefers more, shorter splits.
 DECODE_LONG_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "target_programs": 264}

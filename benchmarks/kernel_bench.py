@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on CUDA: each sparsecompile kernel's achieved GB/s on the bytes it must read.
 
-    python benchmarks/kernels.py [--out benchmarks/results] [--sweep] [--quick]
+    python benchmarks/kernel_bench.py [--out benchmarks/results] [--sweep] [--quick]
         [--only attention|ops|mass|kivi|pointwise]
 
 Decode attention at the benchmark grid's shapes, then every other op at the size the decode benchmark
