@@ -95,32 +95,26 @@ def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, 
     return o.reshape(batch, q_heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous()
 
 
-def _code_asm(bits: int, shift: int, dtype: torch.dtype) -> str:
+def _code_asm(bits: int, shift: int, dtype: torch.dtype, scaled: bool = True) -> str:
     """PTX of :func:`_dequantize` for four codes: the ``bits``-bit code at bit ``shift`` of each byte of ``$2``,
     dequantized as ``code * scale + zero`` (``$3, $4`` scales and ``$5, $6`` zeros, two 16-bit floats each) into
     ``$0, $1``. Exact int -> float without a conversion instruction: a byte permute puts each code under the exponent
     of ``2^7`` (bf16 ``0x43XX`` = 128 + code) or ``2^10`` (fp16 ``0x64XX`` = 1024 + code), an exact subtraction
-    leaves the code, and one fused multiply-add rounds ``code * scale + zero`` once."""
+    leaves the code, and one fused multiply-add rounds ``code * scale + zero`` once. ``scaled=False``: the PTX of
+    :func:`_codes`, the exact codes as floats in ``$0, $1`` (no scale or zero operands)."""
     mask = "0x03030303" if bits == 2 else "0x0F0F0F0F"
     if dtype == torch.bfloat16:
         magic, one, minus, ty = "0x43434343", "0x3F803F80", "0xC300C300", "bf16x2"
     else:
         magic, one, minus, ty = "0x64646464", "0x3C003C00", "0xE400E400", "f16x2"
     codes = f"shr.b32 t, $2, {shift}; and.b32 t, t, {mask};" if shift else f"and.b32 t, $2, {mask};"
-    return ("{ .reg .b32 t, c, one, m, u0, u1; " + codes + f" mov.b32 c, {magic};"
+    head = ("{ .reg .b32 t, c, one, m, u0, u1; " + codes + f" mov.b32 c, {magic};"
             " prmt.b32 u0, t, c, 0x5140; prmt.b32 u1, t, c, 0x7362;"
-            f" mov.b32 one, {one}; mov.b32 m, {minus};"
-            f" fma.rn.{ty} u0, u0, one, m; fma.rn.{ty} u1, u1, one, m;"
-            f" fma.rn.{ty} $0, u0, $3, $5; fma.rn.{ty} $1, u1, $4, $6; }}")
-
-
-def _code_only_asm(bits: int, shift: int, dtype: torch.dtype) -> str:
-    """PTX of :func:`_codes` for four codes: :func:`_code_asm` without its final ``code * scale + zero`` (the exact
-    codes as floats in ``$0, $1``; the values' scales and zeros are applied outside the dequantization)."""
-    ty = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
-    full = _code_asm(bits, shift, dtype)
-    return full[:full.index(f" fma.rn.{ty} u0, u0, one, m;")] + (f" fma.rn.{ty} $0, u0, one, m;"
-                                                                 f" fma.rn.{ty} $1, u1, one, m; }}")
+            f" mov.b32 one, {one}; mov.b32 m, {minus};")
+    if not scaled:
+        return head + f" fma.rn.{ty} $0, u0, one, m; fma.rn.{ty} $1, u1, one, m; }}"
+    return head + (f" fma.rn.{ty} u0, u0, one, m; fma.rn.{ty} u1, u1, one, m;"
+                   f" fma.rn.{ty} $0, u0, $3, $5; fma.rn.{ty} $1, u1, $4, $6; }}")
 
 
 def chunk_layout(dim: int, bits: int, group: int) -> tuple[int, int]:
@@ -171,7 +165,7 @@ if triton is not None:
     @triton.jit
     def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
         """uint8 bytes ``x`` -> the ``BITS``-bit codes at bit ``SHIFT`` as exact floats in ``DT`` (``ASM``: a
-        :func:`_code_only_asm` string, or empty for integer ops)."""
+        :func:`_code_asm` string with ``scaled=False``, or empty for integer ops)."""
         if ASM != "" and DT == tl.bfloat16:
             return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4)
         elif ASM != "":
@@ -357,14 +351,14 @@ KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_pr
 
 
 def _asm_strings(bits: int, dim: int, group: int, query_dtype: torch.dtype, on_gpu: bool) -> list[str]:
-    """The four chunks' key :func:`_code_asm`, then their value :func:`_code_only_asm` (empty strings: integer ops
-    and fp32 math)."""
+    """The four chunks' key :func:`_code_asm`, then their value codes' (``scaled=False``) (empty strings: integer
+    ops and fp32 math)."""
     chunk, nbytes = chunk_layout(dim, bits, group)
     if not on_gpu or query_dtype not in (torch.bfloat16, torch.float16):
         return [""] * 8
     shifts = [(i * chunk // nbytes) * bits for i in range(4)]
     return ([_code_asm(bits, sh, query_dtype) for sh in shifts]
-            + [_code_only_asm(bits, sh, query_dtype) for sh in shifts])
+            + [_code_asm(bits, sh, query_dtype, scaled=False) for sh in shifts])
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,

@@ -175,8 +175,10 @@ class PatchedModel:
         created = cache is None
         if created:
             cache = SparseCache(self.controller, expected_new_tokens=_expected_new_tokens(kwargs))
-        for name in ("past_key_values", "cache"):  # one spelling reaches HF: the one this transformers reads (5.25
-            kwargs.pop(name, None)  # warns when given both, or the deprecated past_key_values)
+        # One spelling reaches HF, the one this transformers reads (5.25 warns when given both, or the deprecated
+        # past_key_values).
+        for name in ("past_key_values", "cache"):
+            kwargs.pop(name, None)
         kwargs[self.cache_name] = cache
         model_config = getattr(self.orig_generate.__self__, "generation_config", None)
         if kwargs.get("custom_generate") is None and _own_loop_applies(kwargs, model_config):

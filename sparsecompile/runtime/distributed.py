@@ -121,9 +121,8 @@ class Watchdog(threading.Thread):
         self.stopped = threading.Event()
 
     def stop(self) -> None:
-        """Stop polling and wait for the thread: it must not be inside a store call while the process group (or
-        the interpreter, at exit) tears the store down: that raced into heap corruption ("malloc(): unaligned tcache
-        chunk detected") in a gloo rank of the CPU tests."""
+        """Stop polling and wait for the thread, so that it is never inside a store call while the process group
+        (or the interpreter, at exit) tears the store down."""
         self.stopped.set()
         atexit.unregister(self.stop)
         if self.is_alive() and self is not threading.current_thread():
