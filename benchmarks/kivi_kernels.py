@@ -68,10 +68,8 @@ def kivi_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dic
     rows = []
     configs = [None]
     if sweep:
-        configs += [{"block_f": 32, "num_warps": w, "num_stages": st, "target_programs": tp}
-                    for w in (1, 2) for st in (2, 3) for tp in (1056, 2112, 4224)]
-        configs += [{"block_f": 32, "num_warps": 2, "num_stages": st, "target_programs": tp, "maxnreg": reg}
-                    for reg in (112, 128) for st in (2, 3) for tp in (2112, 4224, 8448)]
+        configs += [{"block_f": 32, "num_warps": w, "num_stages": st, "programs_per_sm": n}
+                    for w in (1, 2) for st in (2, 3) for n in (4, 8, 16, 32)]
     for bits in (2, 4):
         for batch, context in ((1, 32768), (16, 32768), (1, 131072), (4, 131072)):
             info = {"kernel": f"kivi_decode_attention {bits}-bit", "batch": batch, "context": context,

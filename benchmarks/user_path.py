@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                         row["programs_build_s"] = build_programs(model, method, context, batch, args.new_tokens)
                     row["warm_process_extra_s"] = warm_process_extra(args, method, context, batch)
             except torch.OutOfMemoryError as err:
-                row = {"method": method, "context": context, "batch": batch, "error": f"out of memory: {err}"[:200]}
+                row = {"method": method, "context": context, "batch": batch, "error": f"out of memory: {err}"[:200],
+                       "where": traceback.format_exc(limit=-4)[-1500:],  # which allocation: pool, prefill, graph
+                       "allocated_at_error_GiB": round(torch.cuda.memory_allocated() / 2**30, 2)}
                 sparsecompile.restore(model)
                 torch.cuda.empty_cache()
             except Exception as err:  # noqa: BLE001 - one failing point must not lose the others

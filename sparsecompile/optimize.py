@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -168,6 +169,14 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     previous = getattr(patch, "previous_attn", None)
     uninstall(model, [m for _, m in attention_modules(model)])
+    controller = getattr(patch, "controller", None)
+    if controller is not None:
+        # The pool goes now. Dynamo's trace of a compiled decode step leaves objects behind that refer to the cache
+        # manager in reference cycles (variable trackers of the traced frame), freed only by the collector: without
+        # it a model optimized again at once allocated its pool beside the old one (on the H200 the next method
+        # at 32K x 16 ran out of memory beside a 64 GiB pool).
+        controller.close()
+        gc.collect()
     unwrap_prefill_modules(model)
     separate_projections(model)
     _set_attn(model, previous or "sdpa")

@@ -21,7 +21,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (pyproject's addopts: one worker per core) each worker computes on its share of the cores. Two
+# workers of two threads each on the 2-core CI machine doubled the suite's CPU time (OpenMP threads spin-waiting).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
+
+
+def _weight(item: pytest.Item) -> int:
+    """0: a module whose every test is slow (the embedded SmolLM2's long prompts), 1: a slow test, 2: the rest."""
+    marks = getattr(item.module, "pytestmark", [])
+    marks = marks if isinstance(marks, list) else [marks]
+    if any(getattr(m, "name", None) == "slow" for m in marks):
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest modules first: pytest-xdist hands whole modules to its workers in the order their first test
+    comes (``--dist loadfile``), so the long ones start early and the short ones fill the end."""
+    items.sort(key=_weight)
 
 
 @pytest.fixture(scope="session")

@@ -140,6 +140,24 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.counts)
     @rule(data=st.data())
+    def truncate_many(self, data):
+        """Several pairs at once (an evicting decode step); one pair asked to grow makes it refuse, unchanged."""
+        pairs = data.draw(st.lists(st.tuples(st.sampled_from(sorted(self.counts)), st.integers(0, 2)), min_size=1,
+                                   max_size=4, unique=True))
+        counts = [data.draw(st.integers(0, int(self.counts[r][layer]) + data.draw(st.sampled_from([0, 0, 0, 1]))))
+                  for r, layer in pairs]
+        free_before = self.m.allocator.num_free
+        if any(c > self.counts[r][layer] for (r, layer), c in zip(pairs, counts)):
+            with pytest.raises(ValueError, match="only"):
+                self.m.truncate_many(*zip(*pairs), counts)
+            assert self.m.allocator.num_free == free_before
+            return
+        self.m.truncate_many(*zip(*pairs), counts)
+        for (r, layer), c in zip(pairs, counts):
+            self.counts[r][layer] = c
+
+    @precondition(lambda self: self.counts)
+    @rule(data=st.data())
     def release(self, data):
         row = data.draw(st.sampled_from(sorted(self.counts)))
         self.m.release_sequence(row)

@@ -274,6 +274,32 @@ def test_h2o_chunked_prefill_and_decode_follow_the_recurrence(interval):
     cache.release()
 
 
+def test_decode_views_cover_the_slot_bound_only(monkeypatch):
+    """Decode views of a method that evicts while decoding hold only the table entries of its bound (budget plus
+    one interval's slots; the table stays as wide as a chunked prefill made it): the recurrence test above checks the
+    scores and kept sets over such views."""
+    from sparsecompile.runtime.slot_access import SlotAccess
+
+    widths, build = [], SlotAccess.build_view
+
+    def recording(self, layer, step, selection=None, max_slots=None):
+        view = build(self, layer, step, selection, max_slots)
+        if not step.is_prefill:
+            widths.append((view.index.shape[-1], self.block_table.shape[-1]))
+        return view
+
+    monkeypatch.setattr(SlotAccess, "build_view", recording)
+    _, model = tiny_pair("llama", seed=11)
+    sparsecompile.optimize(model, "h2o", budget=9, recent=3, page_size=4, prefill_chunk_size=6)
+    assert patched_model(model).controller.runtime.decode_slot_bound() == 10
+    generate(model, new=4).release()
+    assert widths and all(width == 3 < table for width, table in widths), widths
+    for method, options in (("h2o", {"ratio": 0.5}), ("snapkv", {"budget": 8, "window": 2}), ("vanilla", {})):  # no bound
+        sparsecompile.restore(model)
+        sparsecompile.optimize(model, method, **options)
+        assert patched_model(model).controller.runtime.decode_slot_bound() is None
+
+
 def _simulate_h2o(calls, history, layer, row, head, budget, recent, interval):
     """The H2O recurrence with plain tensors: append with score 0, add each query's fp32 softmax (mean over the
     query group) over the resident visible keys, evict to ``recent`` newest + top scores; compare every step."""

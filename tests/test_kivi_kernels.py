@@ -15,6 +15,7 @@ from sparsecompile.kernels.kivi_attention import (
     kivi_decode_attention_reference,
     kivi_decode_attention_triton,
     kivi_view_kv,
+    wave_splits,
 )
 from sparsecompile.kernels.library import triton_available
 
@@ -194,6 +195,17 @@ def test_triton_decode_matches_reference(bits, splits):
     want = kivi_decode_attention_reference(*args)
     got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16})
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_wave_splits_fill_one_wave_from_below():
+    """The launch's split count (an H200's 132 SMs off CUDA): one wave of 8 programs an SM, rounded down, each split at
+    least ``min_slots`` long, never zero."""
+    cpu = torch.device("cpu")
+    assert wave_splits(8, 32768, 128, 8, cpu) == 132  # 32K x 1: 1,056 programs
+    assert wave_splits(128, 32768, 128, 8, cpu) == 8  # 32K x 16: 1,024, not 9 x 128 = 1,152 (a wave and a tail)
+    assert wave_splits(32, 131072, 128, 8, cpu) == 33  # 128K x 4
+    assert wave_splits(8, 1000, 128, 8, cpu) == 8  # short lists: capped by the slots
+    assert wave_splits(2048, 131072, 128, 8, cpu) == 1  # more lists than a wave
 
 
 def test_reference_over_the_whole_capacity_is_sync_free_and_equal():

@@ -377,6 +377,29 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+h2o_fix)  # #14: after truncate_many (one allocator call a step, not 512): the 32K x 16 engine steps, h2o through
+  # generate() at 32K x 16, then the eviction GPU tests (~6 min)
+  timeout -s INT 200 python3 benchmarks/decode.py --points 32768x16 --methods snapkv,h2o --no-hf \
+    --max-batch "" --prefill "" --profile "" --out "$OUT" --tag _h200_h2o_fix > "$OUT/h2o_fix.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_fix.log" | cut -c1-200
+  timeout -s INT 150 python3 benchmarks/user_path.py --methods h2o --points 32768x16 --new-tokens 257 --out "$OUT" \
+    --tag _h200_points_32768x16_fix > "$OUT/user_points_fix.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/user_points_fix.log" | cut -c1-200
+  timeout -s INT 150 $P tests/gpu/test_eviction_cuda.py > "$OUT/gpu_tests_eviction_fix.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_eviction_fix.log" | tail -6 ;;
+h2o_b16)  # #14: h2o through generate() at 32K x 16 decoded at 828 tok/s against snapkv's 2,745 (0.30x; engine step 588):
+  # both engine steps profiled at 32K x 16, and at 32K x 1 for comparison (~4 min)
+  timeout -s INT 400 python3 benchmarks/decode.py --points 32768x16,32768x1 --methods snapkv,h2o --no-hf \
+    --max-batch "" --prefill "" --profile 32768x16,32768x1 --out "$OUT" --tag _h200_h2o_b16 > "$OUT/h2o_b16.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_b16.log" | cut -c1-200
+  for f in "$OUT"/profile_*_32k_b16*.txt; do echo "== $f"; head -22 "$f" | cut -c1-190; done ;;
+kivi_wave)  # #20: splits per list filling one wave of programs (rounded down; the sweep's fastest at 3 of 4 points),
+  # GPU tests, the sweep over programs_per_sm (the default 8 and 4 / 16 / 32), decode at 128K x 4 (~7 min)
+  timeout -s INT 150 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_wave.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_wave.log" | tail -6
+  timeout -s INT 170 python3 benchmarks/kernel_bench.py --only kivi --sweep --quick --out "$OUT" > "$OUT/kivi_wave_sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -E '"config": "default"|best_of_sweep' "$OUT/kivi_wave_sweep.log" | cut -c1-300
+  timeout -s INT 230 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4} \
+    --out "$OUT/kivi_wave_h200.jsonl" > "$OUT/kivi_wave_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_wave_points.log" | tail -8 ;;
 kivi_v3)  # #20: the KIVI kernel with values' scales on the probabilities' side, 8-column MMAs and deferred row sums
   # (offline sm_90a: 569 SASS instructions a 2-bit key group, 939 before): GPU tests, then the sweep (~5 min)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_v3.log" 2>&1

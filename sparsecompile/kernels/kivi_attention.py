@@ -17,6 +17,8 @@ accumulation in fp32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kivi_quant import dequantize_keys, dequantize_values, storage_bits, triton_supported, unpack_codes
@@ -136,7 +138,7 @@ def fast_path_supported(group: int, dim: int, bits: int) -> bool:
 
 
 if triton is not None:
-    from .paged_attention import _combine_kernel, _num_splits
+    from .paged_attention import _combine_kernel
 
     @triton.jit
     def _dequantize(x, scale, zero, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
@@ -343,12 +345,30 @@ if triton is not None:
 
 
 #: Launch configuration (``benchmarks/kernel_bench.py --only kivi --sweep`` on the H200, 2-bit, bf16 scales; the kernel
-#: with values' scales on the probabilities' side, ``results/kivi_v3_sweep_h200.log``): 2 warps (the MMAs of a
+#: with values' scales on the probabilities' side, ``results/kivi_v3_sweep_all_h200.log``): 2 warps (the MMAs of a
 #: 32-slot key group split over them, the dequantization not duplicated; 4 warps would dequantize each tile twice),
-#: 2 stages, no register cap (the kernel fits 128 registers without spills; with the cap and without it, 2,112
-#: programs time within 1 % of each other at every point). 1,056 programs are 7-17 % faster at batch 1 and 4,224 are
-#: 11 % faster at 32K x 16: a per-point choice of the program count is not made yet.
-KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "target_programs": 2112}
+#: 2 stages, no register cap (the kernel fits 128 registers without spills; with the cap and without it, the same
+#: program counts time within 1 % of each other). Splits per (sequence, KV head) list: as many as fill one wave of
+#: ``programs_per_sm`` programs on every SM and no more (at 2 warps and 128 registers 8 fit an SM). In that sweep the
+#: fastest program count at every point was the one closest to a single wave from below or at it (132 SMs x 8 =
+#: 1,056): 31.8 us against 36.4 at 32K x 1 (132 splits), 94.2 against 100.3 at 128K x 1 (132), 329.8 against 333.1 at
+#: 128K x 4 (33); at 32K x 16 (128 lists) 9 splits, 1,152 programs, a wave and a tail, took 476 us and 33 splits
+#: (4,224 programs, four full waves) 345 us, which is why the count rounds down. With this rule, swept again
+#: (``results/kivi_wave_sweep_h200.log``): within 1 % of the best of 16 configurations at every point.
+KIVI_DECODE_CONFIG = {"block_f": 32, "num_warps": 2, "num_stages": 2, "programs_per_sm": 8}
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device; an H200's 132 off CUDA (the interpreter), so splits match it."""
+    return 132 if device_index is None else torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def wave_splits(lists: int, span: int, min_slots: int, programs_per_sm: int, device: torch.device) -> int:
+    """Splits per list so that ``lists x splits`` programs fill one wave (rounded down: a partial second wave costs
+    more than the missing parallelism), each split at least ``min_slots`` slots long."""
+    wave = _sm_count(device.index if device.type == "cuda" else None) * programs_per_sm
+    return max(1, min(wave // lists, -(-span // min_slots)))
 
 
 def _asm_strings(bits: int, dim: int, group: int, query_dtype: torch.dtype, on_gpu: bool) -> list[str]:
@@ -380,7 +400,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
-    splits = num_splits or _num_splits(batch * heads, span, 4 * group_size, cfg["target_programs"])
+    splits = num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"], query.device)
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)

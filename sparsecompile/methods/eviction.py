@@ -197,6 +197,14 @@ class EvictionRuntime(SparseMethod):
         """Evict during decode once a row holds ``budget + interval`` slots (0: decode only appends)."""
         return 0
 
+    def decode_slot_bound(self) -> int | None:
+        """A decoding row holds at most its layer's budget plus one interval's new tokens when its attention runs
+        (``targets``: a row reaching ``budget + interval`` goes back to ``budget``; prefill ended at the budget).
+        Budgets given as a ratio of the prompt have no fixed bound."""
+        if not self.decode_interval or self.config.budget is None:
+            return None
+        return max(self.layer_budgets(1 << 40)) + self.decode_interval
+
     # ---- what subclasses read of this step's eviction plan
     def evicts_layer(self, layer: int) -> bool:
         """Host: this (prefill) step compacts ``layer`` for at least one row."""
@@ -294,8 +302,9 @@ class EvictionRuntime(SparseMethod):
         copy_rows([self._limits], sources, forks)
 
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
-        for i, layer in zip(*np.nonzero(self._targets < self._counts)):
-            manager.truncate(step.row_ids[i], int(layer), int(self._targets[i, layer]))
+        over, layers = np.nonzero(self._targets < self._counts)
+        if len(over):
+            manager.truncate_many(np.asarray(step.row_ids)[over], layers, self._targets[over, layers])
         if step.is_prefill and step.is_last_chunk:
             self._prompt_done([r for r, done in zip(step.row_ids, step.ends_prompt) if done])
 

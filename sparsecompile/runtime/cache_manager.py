@@ -32,7 +32,7 @@ logical selection (:meth:`build_view` with a :class:`Selection`) only changes wh
 from __future__ import annotations
 
 import itertools
-import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -291,19 +291,36 @@ class CacheManager(SharedPages, SlotAccess):
 
     def truncate(self, row: int, layer: int, count: int) -> None:
         """Keep only the first ``count`` slots of ``(row, layer)``; pages past them go back to the allocator."""
-        self._check_row(row)
-        owned = self._pages[row][layer]
-        keep_pages = math.ceil(count / self.layout.page_size)
-        if count > int(self._host_lengths[row, layer]):
-            raise ValueError(f"truncate to {count} slots but only {int(self._host_lengths[row, layer])} are used")
+        self.truncate_many([row], [layer], [count])
+
+    def truncate_many(self, rows: Sequence[int], layers: Sequence[int], counts: Sequence[int]) -> None:
+        """:meth:`truncate` for several distinct ``(row, layer)`` pairs, with one allocator call. An evicting
+        method's decode step shrinks every layer of every row (512 pairs at batch 16 of a 32-layer model when its
+        budget fills a page exactly: each step takes a page and frees it again); one call a pair cost about 30 us
+        of host time, 16 ms a step on the H200. Checks every pair before changing anything."""
+        rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        for row in set(rows.tolist()):
+            self._check_row(row)
+        before = self._host_lengths[rows, layers]
+        over = counts > before
+        if over.any():
+            raise ValueError(f"truncate to {int(counts[over][0])} slots but only {int(before[over][0])} are used")
+        keep = -(-counts // self.layout.page_size)
         if self.storage is not None:
-            self.storage.on_truncate(row, layer, int(self._host_lengths[row, layer]), count)
-        self.allocator.free(owned[keep_pages:])
-        del owned[keep_pages:]
-        self._owned[row, layer] = keep_pages
-        self._host_table[row, layer, keep_pages:] = 0  # the device keeps stale ids past `lengths`: never read
-        self._host_lengths[row, layer] = count
-        self._dirty_lengths.add(row)
+            for row, layer, old, new in zip(rows.tolist(), layers.tolist(), before.tolist(), counts.tolist()):
+                self.storage.on_truncate(row, layer, old, new)
+        freed: list[int] = []
+        for row, layer, k in zip(rows.tolist(), layers.tolist(), keep.tolist()):
+            owned = self._pages[row][layer]
+            if len(owned) > k:
+                freed.extend(owned[k:])
+                self._host_table[row, layer, k:len(owned)] = 0  # the device keeps stale ids past `lengths`
+                del owned[k:]
+        self.allocator.free(freed)
+        self._owned[rows, layers] = keep
+        self._host_lengths[rows, layers] = counts
+        self._dirty_lengths.update(rows.tolist())
 
     def flush(self) -> None:
         """Push host changes of block tables and slot counts to the device (before a step).

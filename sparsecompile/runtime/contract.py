@@ -200,6 +200,14 @@ class SparseMethod:
     def build_decode_selection(self, ctx: LayerContext) -> Selection:
         return None
 
+    def decode_slot_bound(self) -> int | None:
+        """Decode steps: no row holds more slots than this in any layer when its attention runs (None: no bound).
+        Decode views are cut to it: the block table is as wide as the longest prompt was before eviction, and the
+        kernels launched over its width (the attention's splits, H2O's mass pass) would otherwise spread over
+        entries no row uses. A wrong bound drops keys silently: only a method whose decode eviction enforces it
+        may give one."""
+        return None
+
     def wants_token_max(self, ctx: LayerContext) -> bool:
         """Decode, after the selection: this layer's hooks read ``ctx.token_max`` (a static per-layer answer; the
         attention kernel writes it beside its output, instead of the method reading the keys a second time). Such a

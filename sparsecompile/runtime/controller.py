@@ -170,7 +170,7 @@ class SparseController(RowOperations, MixedForward):
             step.scorer.on_attention_end(ctx, out)
             return out
         selection = rt.build_prefill_selection(ctx) if step.is_prefill else rt.build_decode_selection(ctx)
-        ctx.view = view = m.build_view(layer, step, selection)
+        ctx.view = view = m.build_view(layer, step, selection, None if step.is_prefill else rt.decode_slot_bound())
         if step.is_prefill:  # tensor-core prefill paths; the log-sum-exp serves methods that score with it
             known = step.dense_lengths[layer] if step.dense_lengths and selection is None else -1
             out, lse = paged_prefill_attention(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
@@ -323,9 +323,9 @@ class SparseController(RowOperations, MixedForward):
                   position_ids=step.positions.clamp(min=0), logits_to_keep=1)
         finally:
             self.step = None
-            for i, row in enumerate(rows):
-                for layer in range(self.layout.num_layers):
-                    m.truncate(row, layer, int(before[i, layer]))
+            layers = self.layout.num_layers
+            m.truncate_many(np.repeat(rows, layers), np.tile(np.arange(layers), len(rows)),
+                            np.asarray(before)[:len(rows)].reshape(-1))
             m.flush()
 
     @torch.no_grad()
@@ -452,6 +452,18 @@ class SparseController(RowOperations, MixedForward):
             return False
         self.mixed_replays = MixedReplays(self, decode_sizes, max_tokens, recorder or CudaGraphRecorder())
         return True
+
+    def close(self) -> None:
+        """Drop the KV pool, the step state and the compiled decode now (``restore()``). The compiled step refers back
+        to this controller, a reference cycle: without this the pool outlived ``restore()`` until the garbage
+        collector ran, and a model optimized again right after allocated its pool beside the old one (on the H200 a
+        64 GiB pool at 32K x 16 ran the next method out of memory)."""
+        self.manager = self._pad_manager = self._pad_row = self.step = None
+        self._decode_steps.clear()
+        self._compiled_decode = None
+        self._compiled_shapes.clear()
+        self.mixed_replays = None
+        self._watched = []
 
     def enable_compiled_decode(self, backend: Callable) -> None:
         """Compile the decode unit (forward + ``finish_step``) with ``backend`` (see ``passes.capture``)."""

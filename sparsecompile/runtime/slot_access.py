@@ -144,21 +144,24 @@ class SlotAccess:
         head = torch.arange(slots.shape[1], device=slots.device)[None, :, None].expand_as(safe)
         return safe // P, head, safe % P
 
-    def build_view(self, layer: int, step: StepState, selection: Selection = None) -> AttentionView:
-        """The AttentionView of ``layer`` for this step: every resident slot, or the selected subset."""
+    def build_view(self, layer: int, step: StepState, selection: Selection = None,
+                   max_slots: int | None = None) -> AttentionView:
+        """The AttentionView of ``layer`` for this step: every resident slot, or the selected subset. ``max_slots``:
+        no row holds more slots (``SparseMethod.decode_slot_bound``): a full view covers only those table entries."""
         H, P = self.layout.num_kv_heads, self.layout.page_size
         rows = step.rows
         if self.storage is not None:
             if selection is not None:
                 raise TypeError("a KIVI-stored cache has no logical selection (selection methods are refused)")
             return self.storage.view(layer, step)
+        width = None if max_slots is None else -(-max_slots // P)  # table entries (None: all)
         plan = step.slot_plan
         if selection is None and plan is not None:
-            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, plan.index[layer], plan.view_lengths[layer],
-                                 P)
+            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, plan.index[layer][..., :width],
+                                 plan.view_lengths[layer], P)
         table = plan.tables[layer] if plan is not None else self.block_table[rows, self.layer_key(layer)]
         if selection is None:  # table: [batch, max_pages]
-            index = table[:, None, :].expand(-1, H, -1)
+            index = table[:, None, :width].expand(-1, H, -1)
             lengths = self.lengths[rows, self.layer_key(layer)][:, None].expand(-1, H)
             return AttentionView(self.k_pool, self.v_pool, self.pos_pool, index, lengths, P)
         if isinstance(selection, PageSelection):
