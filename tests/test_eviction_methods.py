@@ -294,7 +294,8 @@ def test_decode_views_cover_the_slot_bound_only(monkeypatch):
     assert patched_model(model).controller.runtime.decode_slot_bound() == 10
     generate(model, new=4).release()
     assert widths and all(width == 3 < table for width, table in widths), widths
-    for method, options in (("h2o", {"ratio": 0.5}), ("snapkv", {"budget": 8, "window": 2}), ("vanilla", {})):  # no bound
+    no_bound = (("h2o", {"ratio": 0.5}), ("snapkv", {"budget": 8, "window": 2}), ("vanilla", {}))
+    for method, options in no_bound:
         sparsecompile.restore(model)
         sparsecompile.optimize(model, method, **options)
         assert patched_model(model).controller.runtime.decode_slot_bound() is None
