@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
-# Under pytest-xdist (pyproject's addopts: one worker per core) each worker computes on its share of the cores. Two
-# workers of two threads each on the 2-core CI machine doubled the suite's CPU time (OpenMP threads spin-waiting).
+# Under pytest-xdist (the README's test command: one worker per core) each worker computes on its share of the
+# cores. Two workers of two threads each on the 2-core CI machine doubled the suite's CPU time (OpenMP spin-waits).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 

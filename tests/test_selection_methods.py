@@ -238,10 +238,10 @@ def test_omnikv_sparse_layers_read_the_filter_set_plus_decode_tokens():
         chosen.append((ctx.layer, runtime.selected[rows, :budget].clone(), runtime.count[rows].clone(), scores,
                        prompt.clone()))
 
-    def build_view_and_record(layer, step, selection=None):
+    def build_view_and_record(layer, step, selection=None, max_slots=None):
         if not step.is_prefill:
             read.append((layer, selection, manager.lengths[step.rows, layer].clone()))
-        return build_view(layer, step, selection)
+        return build_view(layer, step, selection, max_slots)
 
     runtime._observe, manager.build_view = observe_and_record, build_view_and_record
     ids, mask = left_padded_batch((11, 6, 8), seed=5)

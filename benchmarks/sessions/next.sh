@@ -39,6 +39,13 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-03 sixth session: user_points 32768x16 h2o,vanilla (h2o 0.30x snapkv: host page churn; vanilla out of
+# memory: restore() kept the previous pool alive), kivi_wave (splits filling one wave: 11 tests passed, kivi2 1.37x),
+# h2o_b16 (profiles: 7.3 ms of GPU work in a 23.7 ms step), h2o_fix (truncate_many: engine 2,148 tok/s, generate()
+# 0.963 of it, 0.805x snapkv; eviction tests 6 passed). Two starts refused, one call lost to a reclaimed machine.
+# Next: the decode-view bound (decode_slot_bound, not measured yet): decode.py 32768x16,32768x1 snapkv,h2o profiled
+# + test_eviction_cuda + test_mixed_cuda (h2o_b16 then h2o_fix give both halves); user_points 32768x16
+# vanilla,quest,omnikv (after the restore() fix); POINT=131072x1 NEW=513 snapkv,h2o; test_export_cuda alone.
 # 2026-12-03 fifth session: kivi_v3 (the reworked KIVI kernel: 11 GPU tests passed; 2-bit 335 us at 128K x 4, 459
 # before), kivi_v3_points (every swept config logged; kivi2 1.35x vanilla at 128K x 4; the mixed tests cut by the call's
 # timeout, then by hand: 8 passed), user_points 32768x16 snapkv,h2o,vanilla,quest (snapkv 1.022; h2o's engine point ran

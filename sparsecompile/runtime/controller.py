@@ -454,10 +454,10 @@ class SparseController(RowOperations, MixedForward):
         return True
 
     def close(self) -> None:
-        """Drop the KV pool, the step state and the compiled decode now (``restore()``). The compiled step refers back
-        to this controller, a reference cycle: without this the pool outlived ``restore()`` until the garbage
-        collector ran, and a model optimized again right after allocated its pool beside the old one (on the H200 a
-        64 GiB pool at 32K x 16 ran the next method out of memory)."""
+        """Drop the KV pool, the step state and the compiled decode (``restore()``). What then still refers to the pool
+        is garbage in reference cycles (the compiled step and this controller; dynamo's trace leftovers), which
+        ``restore()`` collects: otherwise the pool outlived it, and a model optimized again right after allocated
+        its pool beside the old one (on the H200 a 64 GiB pool at 32K x 16 ran the next method out of memory)."""
         self.manager = self._pad_manager = self._pad_row = self.step = None
         self._decode_steps.clear()
         self._compiled_decode = None
