@@ -43,8 +43,8 @@
 # memory: restore() kept the previous pool alive), kivi_wave (splits filling one wave: 11 tests passed, kivi2 1.37x),
 # h2o_b16 (profiles: 7.3 ms of GPU work in a 23.7 ms step), h2o_fix (truncate_many: engine 2,148 tok/s, generate()
 # 0.963 of it, 0.805x snapkv; eviction tests 6 passed). Two starts refused, one call lost to a reclaimed machine.
-# Next: the decode-view bound (decode_slot_bound, not measured yet): decode.py 32768x16,32768x1 snapkv,h2o profiled
-# + test_eviction_cuda + test_mixed_cuda (h2o_b16 then h2o_fix give both halves); user_points 32768x16
+# Next: h2o_bound (the decode-view bound, not measured yet: engine steps profiled + eviction / mixed GPU tests);
+# user_points 32768x16
 # vanilla,quest,omnikv (after the restore() fix); POINT=131072x1 NEW=513 snapkv,h2o; test_export_cuda alone.
 # 2026-12-03 fifth session: kivi_v3 (the reworked KIVI kernel: 11 GPU tests passed; 2-bit 335 us at 128K x 4, 459
 # before), kivi_v3_points (every swept config logged; kivi2 1.35x vanilla at 128K x 4; the mixed tests cut by the call's
@@ -384,6 +384,14 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+h2o_bound)  # #14: decode views cut to decode_slot_bound (h2o's mass pass over budget + 1 slots, not the prefill-sized
+  # table: 38 us a layer at 32K x 16 before): the engine steps profiled, then the eviction and mixed GPU tests (~7 min)
+  timeout -s INT 260 python3 benchmarks/decode.py --points 32768x16,32768x1 --methods snapkv,h2o --no-hf \
+    --max-batch "" --prefill "" --profile 32768x16 --out "$OUT" --tag _h200_h2o_bound > "$OUT/h2o_bound.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_bound.log" | cut -c1-200
+  grep -h "_mass_kernel\|_paged_attention_kernel\|_evict_lowest" "$OUT"/profile_*_32k_b16.txt | cut -c1-60,150-230
+  timeout -s INT 230 $P tests/gpu/test_eviction_cuda.py tests/gpu/test_mixed_cuda.py > "$OUT/gpu_tests_h2o_bound.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_h2o_bound.log" | tail -6 ;;
 h2o_fix)  # #14: after truncate_many (one allocator call a step, not 512): the 32K x 16 engine steps, h2o through
   # generate() at 32K x 16, then the eviction GPU tests (~6 min)
   timeout -s INT 200 python3 benchmarks/decode.py --points 32768x16 --methods snapkv,h2o --no-hf \
