@@ -20,6 +20,7 @@ device moves the kept entries to the front of each ``(row, layer)`` in ``finish_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -201,6 +202,10 @@ class EvictionRuntime(SparseMethod):
         """A decoding row holds at most its layer's budget plus one interval's new tokens when its attention runs
         (``targets``: a row reaching ``budget + interval`` goes back to ``budget``; prefill ended at the budget).
         Budgets given as a ratio of the prompt have no fixed bound."""
+        return self._decode_slot_bound
+
+    @functools.cached_property
+    def _decode_slot_bound(self) -> int | None:  # fixed by the options; asked for by every decode layer call
         if not self.decode_interval or self.config.budget is None:
             return None
         return max(self.layer_budgets(1 << 40)) + self.decode_interval

@@ -202,7 +202,7 @@ class SparseMethod:
 
     def decode_slot_bound(self) -> int | None:
         """Decode steps: no row holds more slots than this in any layer when its attention runs (None: no bound).
-        Decode views are cut to it: the block table is as wide as the longest prompt was before eviction, and the
+        Decode views are cut to it: the block table is as wide as the prefill's peak (before its eviction), and the
         kernels launched over its width (the attention's splits, H2O's mass pass) would otherwise spread over
         entries no row uses. A wrong bound drops keys silently: only a method whose decode eviction enforces it
         may give one."""

@@ -325,7 +325,7 @@ class SparseController(RowOperations, MixedForward):
             self.step = None
             layers = self.layout.num_layers
             m.truncate_many(np.repeat(rows, layers), np.tile(np.arange(layers), len(rows)),
-                            np.asarray(before)[:len(rows)].reshape(-1))
+                            before.reshape(-1))
             m.flush()
 
     @torch.no_grad()
