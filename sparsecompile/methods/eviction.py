@@ -20,7 +20,6 @@ device moves the kept entries to the front of each ``(row, layer)`` in ``finish_
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -182,6 +181,10 @@ class EvictionRuntime(SparseMethod):
 
     def __init__(self, config: EvictionConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
+        # decode_slot_bound: fixed by the options, read by every decode layer call (a plain attribute, which dynamo
+        # reads as a constant; a cached_property's lock broke the compiled step's trace)
+        bounded = self.decode_interval and config.budget is not None
+        self._slot_bound = max(self.layer_budgets(1 << 40)) + self.decode_interval if bounded else None
         self._seen = np.zeros(0, dtype=np.int64)  # prompt tokens fed per row (host)
         self._decode_budget = np.zeros(0, dtype=np.int64)  # per row, fixed when its prompt completes (host)
         self._limits: torch.Tensor | None = None  # [max_seqs, 2] (budget, recent) per row, read by compiled decode
@@ -202,13 +205,7 @@ class EvictionRuntime(SparseMethod):
         """A decoding row holds at most its layer's budget plus one interval's new tokens when its attention runs
         (``targets``: a row reaching ``budget + interval`` goes back to ``budget``; prefill ended at the budget).
         Budgets given as a ratio of the prompt have no fixed bound."""
-        return self._decode_slot_bound
-
-    @functools.cached_property
-    def _decode_slot_bound(self) -> int | None:  # fixed by the options; asked for by every decode layer call
-        if not self.decode_interval or self.config.budget is None:
-            return None
-        return max(self.layer_budgets(1 << 40)) + self.decode_interval
+        return self._slot_bound
 
     # ---- what subclasses read of this step's eviction plan
     def evicts_layer(self, layer: int) -> bool:
