@@ -18,8 +18,13 @@ from sparsecompile.kernels.attention_mass import (
     MASS_PREFILL_CONFIG,
     attention_lse_triton,
 )
-from sparsecompile.kernels.h2o_scores import h2o_accumulate_lse_triton, h2o_accumulate_triton
+from sparsecompile.kernels.h2o_scores import (
+    h2o_accumulate_logits_triton,
+    h2o_accumulate_lse_triton,
+    h2o_accumulate_triton,
+)
 from sparsecompile.kernels.kvzip_scores import kvzip_scores_triton
+from sparsecompile.kernels.paged_attention import paged_attention_triton
 from sparsecompile.kernels.snapkv_scores import snapkv_scores_triton
 
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16
@@ -65,6 +70,22 @@ def _h2o_decode(copies: int, iters: int, configs: list, batch: int = 64, budget:
     mb = batch * KV_HEADS * budget * (DIM * 2 + 4 + 4) / 1e6  # keys, positions, scores (read, then written)
     rows = [_row("h2o_accumulate (decode)", [lambda a=a: h2o_accumulate_triton(*a[:7], PAGE, SCALE, 0)
                                              for a in sets], mb, iters=iters, batch=batch, budget=budget)]
+    # decode's path since the attention writes its logits: the update reads them (and the lse), not the keys; the
+    # attention's extra cost is the pair of rows below (the same attention without and with the logits' stores)
+    logit_sets = []
+    for scores, q, k, pos, index, lengths, qpos, _ in sets:
+        v = torch.randn_like(k)
+        args = (q, k, v, pos, index, lengths, qpos, PAGE, SCALE, 0)
+        _, attn_lse, logits = paged_attention_triton(*args, with_logits=True)
+        logit_sets.append((scores, logits, attn_lse, index, lengths, args))
+    mb_logits = batch * KV_HEADS * budget * (GROUP * 4 + 4 + 4) / 1e6  # the group's logits, scores (read, written)
+    rows.append(_row("h2o_accumulate_logits (decode)", [lambda a=a: h2o_accumulate_logits_triton(*a[:5], PAGE)
+                                                        for a in logit_sets], mb_logits, iters=iters, batch=batch,
+                     budget=budget))
+    mb_attn = batch * KV_HEADS * budget * (DIM * 4 + 4) / 1e6  # keys, values, positions
+    for name, extra in (("paged_attention (decode)", {}), ("paged_attention + logits (decode)", {"with_logits": True})):
+        rows.append(_row(name, [lambda a=a, extra=extra: paged_attention_triton(*a[5], **extra) for a in logit_sets],
+                         mb_attn, iters=iters, batch=batch, budget=budget))
     for cfg in configs:
         rows.append(_row("h2o_accumulate_lse (decode)", [lambda a=a, cfg=cfg: h2o_accumulate_lse_triton(
             *a, PAGE, SCALE, 0, mass_config=cfg) for a in sets], mb, iters=iters, batch=batch, budget=budget,

@@ -13,9 +13,12 @@ from sparsecompile.kernels import (
     evict_lowest,
     evict_lowest_reference,
     h2o_accumulate,
+    h2o_accumulate_logits,
+    h2o_accumulate_logits_reference,
     h2o_accumulate_reference,
     move_slots,
     move_slots_reference,
+    paged_attention_logits,
     snapkv_scores,
     snapkv_scores_reference,
 )
@@ -100,6 +103,22 @@ def test_h2o_accumulate_matches_naive(block_size, entries):
     torch.testing.assert_close(scores.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size,entries,window", [(PAGE, 5, 0), (1, 17, 5)])
+def test_h2o_accumulate_logits_equals_the_key_pass(block_size, entries, window):
+    """Decode: the update from the attention's logits and lse equals the one that re-reads the keys."""
+    k, pos = _pool(2)
+    v = torch.randn_like(k)
+    query, index, lengths, qpos = _case(block_size, entries, 1, seed=2)
+    lengths[0, 1] = 0  # a list with nothing to see
+    args = (k, pos, index, lengths, qpos, block_size, 0.25, window)
+    want = torch.rand(NUM_PAGES + 1, HEADS, PAGE, generator=torch.Generator().manual_seed(1))
+    got = want.clone()
+    h2o_accumulate(want, query, *args)
+    _, lse, logits = paged_attention_logits(query, k, v, pos, index, lengths, qpos, block_size, 0.25, window)
+    h2o_accumulate_logits(got, logits, lse, index, lengths, block_size)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_opcheck_eviction_ops():
     k, pos = _pool()
     query, index, lengths, qpos = _case(PAGE, 5, 3)
@@ -107,6 +126,10 @@ def test_opcheck_eviction_ops():
                           (query, k, pos, index, lengths, qpos, PAGE, 0.25, 0))
     torch.library.opcheck(torch.ops.sparsecompile.h2o_accumulate.default,
                           (torch.zeros(NUM_PAGES + 1, HEADS, PAGE), query, k, pos, index, lengths, qpos, PAGE, 0.25, 3))
+    logits = torch.randn(query.shape[0], HEADS * GROUP, 5 * PAGE)
+    torch.library.opcheck(torch.ops.sparsecompile.h2o_accumulate_logits.default,
+                          (torch.zeros(NUM_PAGES + 1, HEADS, PAGE), logits, logits.logsumexp(-1, keepdim=True), index,
+                           lengths, PAGE))
 
 
 triton_only = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -129,6 +152,31 @@ def test_triton_eviction_ops_match_reference(block_size, entries, queries, windo
     h2o_accumulate_reference(want, query, *args)
     h2o_accumulate_triton(got, query, *args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@triton_only
+@pytest.mark.parametrize("block_size", [PAGE, 1])
+def test_triton_h2o_accumulate_logits_matches_reference(block_size):
+    """Lists of up to 400 slots (two 256-position tiles), disjoint across rows, some logits and one lse -inf."""
+    from sparsecompile.kernels.h2o_scores import h2o_accumulate_logits_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    pages, batch, group = 200, 2, 4
+    blocks = pages * PAGE // block_size
+    index = torch.stack([torch.randperm(blocks, generator=g) for _ in range(HEADS)])  # [heads, blocks]
+    index = index.view(HEADS, batch, -1).transpose(0, 1).contiguous().to(torch.int32)
+    lengths = torch.randint(250, blocks // batch * block_size + 1, (batch, HEADS), generator=g, dtype=torch.int32)
+    lengths[1, 0] = 3
+    logits = torch.randn(batch, HEADS * group, index.shape[2] * block_size, generator=g)
+    logits[..., ::7] = float("-inf")
+    lse = logits.logsumexp(-1, keepdim=True)
+    lse[0, 1] = float("-inf")
+    want = torch.rand(pages, HEADS, PAGE, generator=g)
+    got = want.clone().to(device)
+    h2o_accumulate_logits_reference(want, logits, lse, index, lengths, block_size)
+    h2o_accumulate_logits_triton(got, *(t.to(device) for t in (logits, lse, index, lengths)), block_size)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 def _move_case(seed=0, pairs=3):

@@ -11,6 +11,7 @@ import torch
 from sparsecompile.kernels import dense_attention, kv_write, kv_write_reference, paged_attention
 from sparsecompile.kernels.library import triton_available
 from sparsecompile.kernels.paged_attention import (
+    decode_logits_reference,
     paged_attention_lse_reference,
     paged_attention_reference,
     token_max_reference,
@@ -142,18 +143,28 @@ def test_triton_paged_attention_matches_reference(block_size, entries, queries, 
         torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(token_max, token_max_reference(query, k, index, lengths, block_size),
                                    atol=1e-5, rtol=1e-5)
+        # the logits variant (H2O's decode scoring reads it), -inf where unseen and past every list
+        got, lse, logits = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size,
+                                                  1 / math.sqrt(DIM), window, with_logits=True)
+        torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
+        want_logits = decode_logits_reference(query, k, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM),
+                                              window)
+        assert torch.equal(logits.isneginf(), want_logits.isneginf())
+        finite = ~want_logits.isneginf()
+        torch.testing.assert_close(logits[finite], want_logits[finite], atol=1e-5, rtol=1e-5)
 
 
 def _opchecked_attention(op, seed: int) -> tuple[tuple, torch.Tensor]:
-    """``op`` (an attention op with a second output) opcheck'd on a one-query paged case, its attention output
-    checked against the reference: returns the arguments and the second output."""
+    """``op`` (an attention op with further outputs) opcheck'd on a one-query paged case, its attention output
+    checked against the reference: returns the arguments and the last output."""
     k, v, pos = _pool(seed + 1)
     query, index, lengths, qpos = _case(PAGE, 5, 1, seed=seed)
     args = (query, k, v, pos, index, lengths, qpos, PAGE, 1 / math.sqrt(DIM), 0)
     torch.library.opcheck(op.default, args)
-    out, extra = op(*args)
+    out, *extra = op(*args)
     torch.testing.assert_close(out, paged_attention_reference(*args))
-    return args, extra
+    return args, extra[-1]
 
 
 def test_paged_attention_token_max_op():
@@ -173,16 +184,35 @@ def test_paged_attention_token_max_op():
         torch.ops.sparsecompile.paged_attention_token_max(query.expand(-1, -1, 2, -1).contiguous(), *args[1:])
 
 
-def test_paged_attention_lse_op():
-    args, lse = _opchecked_attention(torch.ops.sparsecompile.paged_attention_lse, seed=4)
+def _masked_logits(args: tuple) -> torch.Tensor:
+    """Independently of the ops: ``[batch, q_heads, view positions]`` scaled logits, -inf where unseen."""
     query, k, pos, index, lengths, qpos = args[0], args[1], args[3], args[4], args[5], args[6]
-    slots, valid = view_slots(index, lengths, PAGE)  # independent: the logits of every visible slot, logsumexp'd
+    slots, valid = view_slots(index, lengths, PAGE)
     keys = gather_slots(k, slots).float()  # [batch, kv_heads, slots, dim]
     visible = visibility(gather_slots(pos, slots), valid, qpos, 0)[:, :, 0]  # [batch, kv_heads, slots]
     q = query[:, :, 0].float().view(query.shape[0], HEADS, -1, DIM)  # [batch, kv_heads, group, dim]
     logits = torch.einsum("bhgd,bhsd->bhgs", q, keys) / math.sqrt(DIM)
-    want = torch.logsumexp(logits.masked_fill(~visible[:, :, None], float("-inf")), -1).flatten(1)
+    return logits.masked_fill(~visible[:, :, None], float("-inf")).flatten(1, 2)
+
+
+def test_paged_attention_lse_op():
+    args, lse = _opchecked_attention(torch.ops.sparsecompile.paged_attention_lse, seed=4)
+    want = torch.logsumexp(_masked_logits(args), -1)
     torch.testing.assert_close(lse[:, :, 0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_logits_op():
+    op = torch.ops.sparsecompile.paged_attention_logits
+    args, logits = _opchecked_attention(op, seed=6)
+    lse = op(*args)[1]
+    want = _masked_logits(args)
+    assert logits.shape == want.shape == (args[0].shape[0], HEADS * GROUP, 5 * PAGE)
+    assert torch.equal(logits.isneginf(), want.isneginf())  # unseen and past-the-list positions
+    seen = ~want.isneginf()
+    torch.testing.assert_close(logits[seen], want[seen], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, :, 0], torch.logsumexp(want, -1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one query per sequence"):
+        op(args[0].expand(-1, -1, 2, -1).contiguous(), *args[1:])
 
 
 @triton_only

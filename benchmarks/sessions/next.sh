@@ -39,6 +39,11 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-03 seventh session: h2o_bound (the decode-view bound: h2o 2,211.9 tok/s at 32K x 16, snapkv 2,677.5, mass pass
+# 23.8 us a layer (38 before); eviction + mixed GPU tests 14 passed), user_points 32768x16 vanilla,quest,omnikv (1.028 /
+# 1.002 / 1.004), user_points 131072x1 NEW=513 snapkv,h2o (0.994 / 1.004; h2o 0.947x snapkv), kernel_bench pointwise.
+# Next: h2o_logits (H2O's decode update from the attention's logits; not run yet), test_export_cuda alone,
+# user_points 131072x4 (every method), 32768x16 streamingllm,pyramidkv.
 # 2026-12-03 sixth session: user_points 32768x16 h2o,vanilla (h2o 0.30x snapkv: host page churn; vanilla out of
 # memory: restore() kept the previous pool alive), kivi_wave (splits filling one wave: 11 tests passed, kivi2 1.37x),
 # h2o_b16 (profiles: 7.3 ms of GPU work in a 23.7 ms step), h2o_fix (truncate_many: engine 2,148 tok/s, generate()
@@ -384,6 +389,18 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+h2o_logits)  # #14: H2O's decode update from the attention's logits (no key pass; was 23.8 us a layer at 32K x 16): GPU
+  # tests of the kernels and the eviction / mixed steps, the kernel rows, the engine steps profiled, generate() (~9 min)
+  timeout -s INT 200 $P tests/gpu/test_mass_cuda.py tests/gpu/test_eviction_cuda.py > "$OUT/gpu_tests_h2o_logits.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_h2o_logits.log" | tail -6
+  timeout -s INT 60 python3 benchmarks/kernel_bench.py --only mass_decode --quick --out "$OUT" > "$OUT/mass_decode.log" 2>&1
+  echo "rc=$?"; grep -E "^h2o|^paged" "$OUT/mass_decode.log" | cut -c1-150
+  timeout -s INT 200 python3 benchmarks/decode.py --points 32768x16,32768x1 --methods snapkv,h2o --no-hf \
+    --max-batch "" --prefill "" --profile 32768x16 --out "$OUT" --tag _h200_h2o_logits > "$OUT/h2o_logits.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_logits.log" | cut -c1-200
+  grep -h "_accumulate_logits_kernel\|_paged_attention_kernel\|_evict_lowest" "$OUT"/profile_*_32k_b16.txt | cut -c1-60,150-230
+  timeout -s INT 120 $P tests/gpu/test_mixed_cuda.py > "$OUT/gpu_tests_mixed_h2o_logits.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_mixed_h2o_logits.log" | tail -6 ;;
 h2o_bound)  # #14: decode views cut to decode_slot_bound (h2o's mass pass over budget + 1 slots, not the prefill-sized
   # table: 38 us a layer at 32K x 16 before): the engine steps profiled, then the eviction and mixed GPU tests (~7 min)
   timeout -s INT 260 python3 benchmarks/decode.py --points 32768x16,32768x1 --methods snapkv,h2o --no-hf \

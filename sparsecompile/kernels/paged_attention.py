@@ -69,19 +69,21 @@ def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool:
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE, LSE, TOKEN_MAX,
+    def _paged_attention_kernel(Q, K, V, POS, INDEX, LENGTHS, QPOS, OUT, MID_O, MID_LSE, LSE, TOKEN_MAX, LOGITS,
                                 stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh,
                                 stride_pb, stride_ob, stride_ot, stride_oh,
                                 scale, window, num_queries, span,
                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                IEEE: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_MAX: tl.constexpr):
+                                IEEE: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_MAX: tl.constexpr,
+                                WRITE_LOGITS: tl.constexpr):
         """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
 
         With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
         :func:`_combine_kernel`; otherwise the final output. ``WRITE_MAX`` (one row block, so no two programs
         write one entry): per view position, the largest raw logit of the block's rows, ``-inf`` past the list.
+        ``WRITE_LOGITS`` (one query): every row's scaled, masked logits per view position, ``-inf`` past the list.
         """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -101,6 +103,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         token_max = TOKEN_MAX + pid_bh.to(tl.int64) * span  # (WRITE_MAX) this list's row of the output
+        logits = LOGITS + (b * (KV_HEADS * GROUP) + qh).to(tl.int64)[:, None] * span  # (WRITE_LOGITS) rows' outputs
         for start in range(lo, hi, BLOCK_N):
             base, row_ptr, jmask = view_rows(INDEX + b * stride_ib + h * stride_ih, start, hi, h, KV_HEADS, PAGE,
                                              BLOCK, HEAD_DIM, BLOCK_N)
@@ -117,6 +120,9 @@ if triton is not None:
                 tl.store(token_max + j, tl.max(tl.where(row_ok[:, None], s, float("-inf")), 0), mask=jmask)
             s = s * scale
             s = tl.where(jmask[None, :] & visible(kpos, qpos, window), s, float("-inf"))
+            if WRITE_LOGITS:  # [batch, q_heads, span]: qh is the row's q head (one query per sequence)
+                j = start + tl.arange(0, BLOCK_N)
+                tl.store(logits + j[None, :], s, mask=row_ok[:, None] & jmask[None, :])
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
@@ -126,6 +132,11 @@ if triton is not None:
             for start in range(length, span, BLOCK_N):
                 j = start + tl.arange(0, BLOCK_N)
                 tl.store(token_max + j, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=j < span)
+        if WRITE_LOGITS and split == NUM_SPLITS - 1:
+            for start in range(length, span, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                tl.store(logits + j[None, :], tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32),
+                         mask=row_ok[:, None] & (j < span)[None, :])
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS == 1:
             tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
@@ -187,13 +198,16 @@ DECODE_TOKEN_MAX_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "tar
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
                            index: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
                            block_size: int, scale: float, sliding_window: int, *, num_splits: int | None = None,
-                           config: dict | None = None, with_lse: bool = False, with_token_max: bool = False):
+                           config: dict | None = None, with_lse: bool = False, with_token_max: bool = False,
+                           with_logits: bool = False):
     """Triton launch with the semantics of :func:`paged_attention_reference`.
 
     Decode-sized calls (``queries * group <= 16`` rows per KV head) split each slot list across
     programs (flash-decoding) and merge the partials; larger calls tile the query rows. ``with_lse``: also return
     each query's log-sum-exp ``[batch, q_heads, queries]`` fp32 (the merge step has it anyway). ``with_token_max``
-    (one query per sequence): also return :func:`token_max_reference`'s ``[batch, kv_heads, span]``.
+    (one query per sequence): also return :func:`token_max_reference`'s ``[batch, kv_heads, span]``. ``with_logits``
+    (one query per sequence, implies ``with_lse``): return ``(out, lse, logits)`` with :func:`decode_logits_reference`'s
+    ``[batch, q_heads, span]``.
     """
     batch, q_heads, queries, head_dim = query.shape
     kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
@@ -217,7 +231,13 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     else:
         mid_o = mid_lse = out
     block_d = max(16, triton.next_power_of_2(head_dim))
+    with_lse = with_lse or with_logits
     lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device) if with_lse else out
+    if with_logits:
+        _check_one_query(query)
+        logits = torch.empty(batch, q_heads, span, dtype=torch.float32, device=query.device)
+    else:
+        logits = out
     if with_token_max:
         _check_one_query(query)
         if m_blocks > 1:
@@ -226,13 +246,14 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     else:
         token_max = out
     _paged_attention_kernel[(m_blocks, batch * kv_heads, splits)](
-        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse, lse, token_max,
+        query, k_pool, v_pool, pos_pool, index, lengths, q_positions, out, mid_o, mid_lse, lse, token_max, logits,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
         float(scale), int(sliding_window), queries, span,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        WRITE_LSE=with_lse, WRITE_MAX=with_token_max, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WRITE_LSE=with_lse, WRITE_MAX=with_token_max, WRITE_LOGITS=with_logits, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
@@ -240,6 +261,8 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
             Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_lse,
         )
+    if with_logits:
+        return out, lse, logits
     if with_token_max:
         return (out, lse, token_max) if with_lse else (out, token_max)
     return (out, lse) if with_lse else out
@@ -285,6 +308,45 @@ def _fake_token_max(query, k_pool, v_pool, pos_pool, index, lengths, q_positions
     batch, q_heads, queries, head_dim = query.shape
     return (query.new_empty(batch, queries, q_heads, head_dim),
             query.new_empty(batch, k_pool.shape[1], index.shape[2] * block_size, dtype=torch.float32))
+
+
+def decode_logits_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: torch.Tensor, index: torch.Tensor,
+                            lengths: torch.Tensor, q_positions: torch.Tensor, block_size: int, scale: float,
+                            sliding_window: int) -> torch.Tensor:
+    """One decode query per sequence: ``[batch, q_heads, entries * block_size]`` fp32, per view position the query's
+    scaled logit ``scale * q . k`` against its KV head's key, ``-inf`` where the query does not see the slot (past
+    the list included), so that ``exp(logits - lse)`` is the softmax probability the attention gave the slot."""
+    _check_one_query(query)
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = k_pool.shape[1]
+    slots, valid = view_slots(index, lengths, block_size)
+    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, span, head_dim]
+    q = query[:, :, 0].float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    logits = torch.einsum("bhgd,bhsd->bhgs", q, keys) * scale
+    seen = visibility(gather_slots(pos_pool, slots), valid, q_positions, sliding_window)  # [batch, kv_heads, 1, span]
+    return logits.masked_fill(~seen, float("-inf")).reshape(batch, q_heads, -1)
+
+
+def paged_attention_logits_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                     sliding_window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_lse_reference` plus :func:`decode_logits_reference` (one query per sequence)."""
+    logits = decode_logits_reference(query, k_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                     sliding_window)
+    out, lse = paged_attention_lse_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size,
+                                             scale, sliding_window)
+    return out, lse, logits
+
+
+def _triton_logits(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    return paged_attention_triton(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                                  sliding_window, with_logits=True)
+
+
+def _fake_logits(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale, sliding_window):
+    _check_one_query(query)
+    out, lse = _fake_lse(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
+                         sliding_window)
+    return out, lse, query.new_empty(query.shape[0], query.shape[1], index.shape[2] * block_size, dtype=torch.float32)
 
 
 def paged_attention_lse_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,
@@ -340,4 +402,16 @@ paged_attention_token_max = define_op(
     cpu=paged_attention_token_max_reference,
     cuda=_triton_token_max if triton is not None else None,
     fake=_fake_token_max,
+)
+
+#: The same attention for one decode query per sequence, also returning each query's log-sum-exp and its scaled logits
+#: per view position (``[batch, q_heads, span]``, -inf where unseen):
+#: a method that scores decode steps by attention probabilities (H2O) reads them instead of the keys a second time.
+paged_attention_logits = define_op(
+    "paged_attention_logits(Tensor query, Tensor k_pool, Tensor v_pool, Tensor pos_pool, Tensor index, "
+    "Tensor lengths, Tensor q_positions, int block_size, float scale, int sliding_window) -> "
+    "(Tensor out, Tensor lse, Tensor logits)",
+    cpu=paged_attention_logits_reference,
+    cuda=_triton_logits if triton is not None else None,
+    fake=_fake_logits,
 )

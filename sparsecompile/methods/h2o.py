@@ -1,8 +1,10 @@
 """``h2o``: heavy hitters by accumulated attention plus a recent window (Zhang et al., https://arxiv.org/abs/2306.14048).
 
 Every forward adds, per KV head, the softmax probability (fp32) each query of the step gives each
-visible resident entry to that entry's persistent score (``h2o_accumulate`` op; slot metadata, so it
-moves with its entry and is freed with it). New entries start at zero and receive their own column
+visible resident entry to that entry's persistent score (slot metadata, so it moves with its entry and
+is freed with it): prefill chunks re-read the keys with the attention's log-sum-exp
+(``h2o_accumulate_lse``), decode steps take the probabilities from the logits the attention wrote
+(``h2o_accumulate_logits``). New entries start at zero and receive their own column
 sums in the step that writes them. Then a layer holding more than its budget keeps its ``recent``
 newest tokens plus the ``budget - recent`` highest-scoring older ones (paper: ``R_i`` from
 ``A_i = R_{i-1} ∪ {i}``): after every prefill chunk (chunk-wise eviction during chunked prefill)
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from ..config import MethodConfigError, option
-from ..kernels import gather_slots, h2o_accumulate, h2o_accumulate_lse
+from ..kernels import gather_slots, h2o_accumulate, h2o_accumulate_logits, h2o_accumulate_lse
 from ..runtime.contract import LayerContext, PrefillMode
 from ..runtime.host import to_device
 from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive, recent_mask, resident
@@ -81,7 +83,8 @@ class H2ORuntime(EvictionRuntime):
     config_class = H2OConfig
     config: H2OConfig
     chunk_eviction = True
-    uses_prefill_lse = uses_decode_lse = True  # one pass over the keys to accumulate attention mass
+    uses_prefill_lse = True  # prefill: one pass over the keys to accumulate attention mass, with the attention's lse
+    uses_decode_lse = uses_decode_logits = True  # decode: no key pass, the attention's logits and lse
     # 8192-token chunks: the prompt's attention reads at most budget + chunk keys (128K on the H200: 7.9 s against
     # 38.7 s for the whole prompt, whose mass accumulation is compute-bound over all query-key pairs)
     default_prefill_chunk = 8192
@@ -114,7 +117,9 @@ class H2ORuntime(EvictionRuntime):
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
         v, score = ctx.view, ctx.manager.slot_metadata[SCORE]
-        if ctx.lse is not None:  # prefill: the attention's normaliser, one pass over the keys
+        if ctx.logits is not None:  # decode: the probabilities from the attention's own logits
+            h2o_accumulate_logits(score, ctx.logits, ctx.lse, v.index, v.lengths, v.block_size)
+        elif ctx.lse is not None:  # prefill: the attention's normaliser, one pass over the keys
             h2o_accumulate_lse(score, ctx.query, v.k_pool, v.pos_pool, v.index, v.lengths, ctx.step.positions,
                                ctx.lse, v.block_size, ctx.scale, ctx.sliding_window)
         else:

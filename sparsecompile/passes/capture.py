@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..kernels import kivi_decode_attention, paged_attention, paged_attention_lse, paged_attention_token_max
+from ..kernels import (
+    kivi_decode_attention,
+    paged_attention,
+    paged_attention_logits,
+    paged_attention_lse,
+    paged_attention_token_max,
+)
 from ..runtime.compilation import inductor_patches
 from .fuse_linear import fuse_sibling_linears
 
@@ -24,7 +30,8 @@ class CaptureError(RuntimeError):
 
 
 _ATTENTION_OPS = {op for attention in (paged_attention, paged_attention_lse, paged_attention_token_max,
-                                      kivi_decode_attention) for op in (attention, attention.overloadpacket)}
+                                      paged_attention_logits, kivi_decode_attention)
+                  for op in (attention, attention.overloadpacket)}
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SDPA_OVERLOADS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
 

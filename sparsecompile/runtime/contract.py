@@ -68,6 +68,9 @@ class LayerContext:
         token_max: decode only, when :meth:`SparseMethod.wants_token_max` says so for the layer:
             ``[batch, kv_heads, view positions]`` fp32, per view position the largest raw logit ``q . k`` over the
             KV head's query heads, ``-inf`` past the view's lengths (the attention kernel's by-product).
+        logits: decode only, for a method that declares ``uses_decode_logits``: ``[batch, q_heads, view positions]``
+            fp32, each query's scaled logit per view position, ``-inf`` where it does not see the slot, so that
+            ``exp(logits - lse)`` are the attention's probabilities (the attention kernel's by-product, with ``lse``).
     """
 
     layer: int
@@ -82,6 +85,7 @@ class LayerContext:
     view: AttentionView | None = None
     lse: torch.Tensor | None = None
     token_max: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 class Scorer(Protocol):
@@ -126,6 +130,9 @@ class SparseMethod:
     #: Prefill / decode hooks read ``LayerContext.lse`` (the attention's log-sum-exp); others let the kernels skip it.
     uses_prefill_lse: ClassVar[bool] = False
     uses_decode_lse: ClassVar[bool] = False
+    #: Decode hooks also read ``LayerContext.logits``: the attention writes every query's logits beside its output
+    #: (16 bytes a KV-head slot for a group of four, against the key's 256 for a method that re-reads the keys).
+    uses_decode_logits: ClassVar[bool] = False
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True

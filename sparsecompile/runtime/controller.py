@@ -18,7 +18,13 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..kernels import paged_attention, paged_attention_lse, paged_attention_token_max, paged_prefill_attention
+from ..kernels import (
+    paged_attention,
+    paged_attention_logits,
+    paged_attention_lse,
+    paged_attention_token_max,
+    paged_prefill_attention,
+)
 from .allocator import OutOfPages
 from .cache_manager import CacheManager, KVLayout
 from .compilation import allow_recompiles, compile_notice, compile_step, static_address
@@ -183,6 +189,10 @@ class SparseController(RowOperations, MixedForward):
             out, ctx.token_max = paged_attention_token_max(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
                                                            view.lengths, step.positions, view.block_size, scale,
                                                            sliding_window)
+        elif rt.uses_decode_logits:
+            out, ctx.lse, ctx.logits = paged_attention_logits(query, view.k_pool, view.v_pool, view.pos_pool,
+                                                              view.index, view.lengths, step.positions,
+                                                              view.block_size, scale, sliding_window)
         elif rt.uses_decode_lse:
             out, ctx.lse = paged_attention_lse(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
                                                view.lengths, step.positions, view.block_size, scale, sliding_window)

@@ -1,5 +1,5 @@
-"""CUDA-only (skipped without a GPU): the attention-mass kernels (log-sum-exp pass, ``h2o_accumulate[_lse]``,
-``snapkv_scores``, ``kvzip_scores``) against their torch references at the benchmark's sizes in bf16, and the
+"""CUDA-only (skipped without a GPU): the attention-mass kernels (log-sum-exp pass,
+``h2o_accumulate[_lse|_logits]``, ``snapkv_scores``, ``kvzip_scores``) against their torch references at the benchmark's sizes in bf16, and the
 H2O ops captured in a CUDA graph (no host synchronisation) replaying to the eager result.
 
 Tolerance: the kernels multiply bf16 queries and keys with fp32 accumulation, the references upcast them and
@@ -53,13 +53,16 @@ def _queries(batch, first, count, g):
 
 @pytest.mark.parametrize("block,window", [(PAGE, 0), (1, 0), (PAGE, 1000)])
 def test_h2o_decode_triton_vs_reference(block, window):
-    """64 sequences x 2,048 slots, one query each: the lse pass, the one-pass op fed the reference lse, the op."""
+    """64 sequences x 2,048 slots, one query each: the lse pass, the one-pass op fed the reference lse, the op, and
+    the update from the attention's logits."""
     from sparsecompile.kernels.attention_mass import attention_lse_reference, attention_lse_triton
     from sparsecompile.kernels.h2o_scores import (
+        h2o_accumulate_logits_triton,
         h2o_accumulate_lse_triton,
         h2o_accumulate_reference,
         h2o_accumulate_triton,
     )
+    from sparsecompile.kernels.paged_attention import paged_attention_triton
 
     tokens = 2048 if block == PAGE else 4096  # the token view reads half of them
     k, pos, index, lengths, g = _pool(64, tokens, seed=block + window, block=block)
@@ -68,12 +71,17 @@ def test_h2o_decode_triton_vs_reference(block, window):
     lse = attention_lse_reference(q, *args)
     torch.testing.assert_close(attention_lse_triton(q, *args), lse, rtol=1e-5, atol=1e-4)
     want = torch.rand(k.shape[:3], device="cuda", generator=g)
-    got, got_lse = want.clone(), want.clone()
+    got, got_lse, got_logits = want.clone(), want.clone(), want.clone()
     h2o_accumulate_reference(want, q, *args)
     h2o_accumulate_lse_triton(got_lse, q, *args[:5], lse, *args[5:])
     h2o_accumulate_triton(got, q, *args)
+    # decode's path: the attention writes the logits and lse, the update reads them instead of the keys
+    _, attn_lse, logits = paged_attention_triton(q, k, torch.randn_like(k), pos, index, lengths, qpos, block, SCALE,
+                                                 window, with_logits=True)
+    h2o_accumulate_logits_triton(got_logits, logits, attn_lse, index, lengths, block)
     torch.testing.assert_close(got_lse, want, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got_logits, want, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("context,window", [(32768, 0), (4096, 1024)])
@@ -133,20 +141,25 @@ def test_h2o_ops_in_cuda_graph_replay_eager_result():
     q, qpos = _queries(8, 2047, 1, g)
     lse = attention_lse_reference(q, k, pos, index, lengths, qpos, PAGE, SCALE, 0)
     ops = torch.ops.sparsecompile
-    eager = [torch.zeros(k.shape[:3], device="cuda") for _ in range(2)]
-    ops.h2o_accumulate(eager[0], q, k, pos, index, lengths, qpos, PAGE, SCALE, 0)
-    ops.h2o_accumulate_lse(eager[1], q, k, pos, index, lengths, qpos, lse, PAGE, SCALE, 0)
+    _, attn_lse, logits = ops.paged_attention_logits(q, k, torch.randn_like(k), pos, index, lengths, qpos, PAGE, SCALE,
+                                                     0)
+
+    def run(scores):
+        ops.h2o_accumulate(scores[0], q, k, pos, index, lengths, qpos, PAGE, SCALE, 0)
+        ops.h2o_accumulate_lse(scores[1], q, k, pos, index, lengths, qpos, lse, PAGE, SCALE, 0)
+        ops.h2o_accumulate_logits(scores[2], logits, attn_lse, index, lengths, PAGE)
+
+    eager = [torch.zeros(k.shape[:3], device="cuda") for _ in range(3)]
+    run(eager)
     scores = [torch.zeros_like(e) for e in eager]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up (compiles the kernels) outside the capture
-        ops.h2o_accumulate(scores[0], q, k, pos, index, lengths, qpos, PAGE, SCALE, 0)
-        ops.h2o_accumulate_lse(scores[1], q, k, pos, index, lengths, qpos, lse, PAGE, SCALE, 0)
+        run(scores)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.h2o_accumulate(scores[0], q, k, pos, index, lengths, qpos, PAGE, SCALE, 0)
-        ops.h2o_accumulate_lse(scores[1], q, k, pos, index, lengths, qpos, lse, PAGE, SCALE, 0)
+        run(scores)
     for s in scores:
         s.zero_()
     graph.replay()
