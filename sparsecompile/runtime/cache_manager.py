@@ -31,7 +31,6 @@ logical selection (:meth:`build_view` with a :class:`Selection`) only changes wh
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,8 +60,9 @@ class CacheManager(SharedPages, SlotAccess):
         self._host_table = np.zeros((max_seqs, L, max_pages_per_seq), dtype=np.int32)
         self._table_rows, self._table_width = max_seqs, max_pages_per_seq
         self._host_lengths = np.zeros((max_seqs, L), dtype=np.int64)
-        self._pages: list[list[list[int]]] = [[[] for _ in range(L)] for _ in range(max_seqs)]
-        self._owned = np.zeros((max_seqs, L), dtype=np.int64)  # len(self._pages[row][layer])
+        # A (row, layer)'s pages are the first _owned[row, layer] entries of its host table row (the one record of
+        # them: page lists are vectorised reads and writes of the table, no per-pair Python)
+        self._owned = np.zeros((max_seqs, L), dtype=np.int64)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._live_rows: set[int] = set()
         # Pending host -> device updates: whole rows (rare), slot counts (every step), new table entries.
@@ -175,7 +175,6 @@ class CacheManager(SharedPages, SlotAccess):
         lengths[:rows_before] = self._host_lengths
         self._host_table, self._host_lengths = table, lengths
         self._table_rows, self._table_width = max_seqs, max_pages_per_seq
-        self._pages.extend([[] for _ in range(L)] for _ in range(max_seqs - rows_before))
         owned = np.zeros((max_seqs, L), dtype=np.int64)
         owned[:rows_before] = self._owned
         self._owned = owned
@@ -225,12 +224,8 @@ class CacheManager(SharedPages, SlotAccess):
     def release_sequence(self, row: int) -> None:
         """Free every page of ``row`` and return the row."""
         self._check_row(row)
-        held = self._pages[row]
         # one call for every layer: atomic (a bad page raises before anything is freed) and one vectorised pass
-        self.allocator.free(np.fromiter(itertools.chain.from_iterable(held), dtype=np.int64,
-                                        count=sum(len(pages) for pages in held)))
-        for layer_pages in held:
-            layer_pages.clear()
+        self.allocator.free(self._held_pages([row] * self.layout.num_layers, range(self.layout.num_layers))[0])
         self._owned[row] = 0
         self._host_lengths[row] = 0
         self._host_table[row] = 0
@@ -249,7 +244,19 @@ class CacheManager(SharedPages, SlotAccess):
         return self._host_lengths[rows].copy()
 
     def pages_of(self, row: int, layer: int) -> list[int]:
-        return list(self._pages[row][layer])
+        return self._host_table[row, layer, : self._owned[row, layer]].tolist()
+
+    def _held_pages(self, rows: Sequence[int], layers: Sequence[int],
+                    first: np.ndarray | int = 0) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The pages of each ``(row, layer)`` pair from index ``first`` (per pair, or one for all) to its end, pair
+        after pair in list order, as one int64 array, and their ``(row, layer, index)`` places in the host table."""
+        rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
+        first = np.broadcast_to(np.asarray(first, dtype=np.int64), rows.shape)
+        counts = np.maximum(self._owned[rows, layers] - first, 0)
+        pair = np.repeat(np.arange(len(rows)), counts)
+        index = first[pair] + np.arange(len(pair)) - np.repeat(np.cumsum(counts) - counts, counts)
+        place = (rows[pair], layers[pair], index)
+        return self._host_table[place].astype(np.int64), place
 
     def pages_needed(self, rows: list[int], new_counts: np.ndarray) -> int:
         """Pages :meth:`ensure_slots` would allocate for ``new_counts [len(rows), layers]``."""
@@ -282,9 +289,6 @@ class CacheManager(SharedPages, SlotAccess):
             entries = np.stack([row_ids[pair], layers[pair], index, fresh], axis=1)  # as flush() sends them
             self._host_table[entries[:, 0], entries[:, 1], entries[:, 2]] = fresh
             self._new_entries.append(entries)
-            pages = fresh.tolist()
-            for k, (row, layer) in enumerate(zip(row_ids.tolist(), layers.tolist())):
-                self._pages[row][layer].extend(pages[ends[k] - counts[k]:ends[k]])
             self._owned[row_ids, layers] = need
         self._host_lengths[rows] = np.maximum(self._host_lengths[rows], new_counts)
         self._dirty_lengths.update(rows)
@@ -294,10 +298,11 @@ class CacheManager(SharedPages, SlotAccess):
         self.truncate_many([row], [layer], [count])
 
     def truncate_many(self, rows: Sequence[int], layers: Sequence[int], counts: Sequence[int]) -> None:
-        """:meth:`truncate` for several distinct ``(row, layer)`` pairs, with one allocator call. An evicting
-        method's decode step shrinks every layer of every row (512 pairs at batch 16 of a 32-layer model when its
-        budget fills a page exactly: each step takes a page and frees it again); one call a pair cost about 30 us
-        of host time, 16 ms a step on the H200. Checks every pair before changing anything."""
+        """:meth:`truncate` for several distinct ``(row, layer)`` pairs, with one allocator call and no per-pair
+        Python. An evicting method's decode step shrinks every layer of every row (512 pairs at batch 16 of a 32-layer
+        model; when its budget fills a page exactly, each step takes a page per pair for the new token and frees it
+        again); one call a pair cost about 30 us of host time, 16 ms a step on the H200. Checks every pair before
+        changing anything."""
         rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
         for row in set(rows.tolist()):
@@ -310,14 +315,11 @@ class CacheManager(SharedPages, SlotAccess):
         if self.storage is not None:
             for row, layer, old, new in zip(rows.tolist(), layers.tolist(), before.tolist(), counts.tolist()):
                 self.storage.on_truncate(row, layer, old, new)
-        freed: list[int] = []
-        for row, layer, k in zip(rows.tolist(), layers.tolist(), keep.tolist()):
-            owned = self._pages[row][layer]
-            if len(owned) > k:
-                freed.extend(owned[k:])
-                self._host_table[row, layer, k:len(owned)] = 0  # the device keeps stale ids past `lengths`
-                del owned[k:]
-        self.allocator.free(freed)
+        shrink = np.nonzero(self._owned[rows, layers] > keep)[0]  # only these pairs give pages back
+        if len(shrink):
+            freed, place = self._held_pages(rows[shrink], layers[shrink], keep[shrink])
+            self.allocator.free(freed)
+            self._host_table[place] = 0  # the device keeps stale ids past `lengths`
         self._owned[rows, layers] = keep
         self._host_lengths[rows, layers] = counts
         self._dirty_lengths.update(rows.tolist())

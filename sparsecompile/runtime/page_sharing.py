@@ -17,6 +17,7 @@ the host and run on the device in :meth:`CacheManager.flush`, before the step's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,8 +35,8 @@ class SharedPages:
     allocator: BlockAllocator
     _host_table: np.ndarray
     _host_lengths: np.ndarray
-    _pages: list[list[list[int]]]
     _owned: np.ndarray
+    _held_pages: Callable[..., tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]]
     _dirty_rows: set[int]
     _dirty_lengths: set[int]
 
@@ -49,9 +50,8 @@ class SharedPages:
         counts. Neither row's later writes change the other (copy-on-write)."""
         self._check_row(row)
         new = self.add_sequence()
-        for layer, pages in enumerate(self._pages[row]):
-            self.allocator.incref(pages)
-            self._pages[new][layer] = list(pages)
+        layers = range(self._host_table.shape[1])
+        self.allocator.incref(self._held_pages([row] * len(layers), layers)[0])
         self._host_table[new] = self._host_table[row]
         self._host_lengths[new] = self._host_lengths[row]
         self._owned[new] = self._owned[row]
@@ -68,7 +68,6 @@ class SharedPages:
             raise ValueError(f"attached blocks must be full pages covering exactly {tokens} tokens in every layer")
         for layer, layer_pages in enumerate(pages):
             self.allocator.incref(layer_pages)
-            self._pages[row][layer] = list(layer_pages)
             self._host_table[row, layer, : len(layer_pages)] = layer_pages
         self._owned[row] = len(pages[0])
         self._host_lengths[row] = tokens
@@ -116,7 +115,6 @@ class SharedPages:
         old = int(self._host_table[row, layer, index])
         new = int(self.allocator.allocate(1)[0])
         self.allocator.free([old])  # still referenced by the other holders: it stays allocated
-        self._pages[row][layer][index] = new
         self._host_table[row, layer, index] = new
         self._new_entries.append(np.array([[row, layer, index, new]], dtype=np.int64))
         self._copies.append((old, new))
