@@ -104,7 +104,7 @@ def h2o_accumulate_logits_reference(scores: torch.Tensor, logits: torch.Tensor, 
     kv_heads = index.shape[1]
     shift = lse.reshape(batch, q_heads, 1).float()
     shift = torch.where(shift.isneginf(), torch.zeros_like(shift), shift)  # its logits are all -inf: adds 0
-    mass = torch.exp(logits.float() - shift).view(batch, kv_heads, -1, span).mean(2)  # [batch, kv_heads, span]
+    mass = torch.exp(logits.float() - shift).reshape(batch, kv_heads, -1, span).mean(2)  # [batch, kv_heads, span]
     slots, valid = view_slots(index, lengths, block_size)
     page_size = scores.shape[2]
     head = torch.arange(kv_heads, device=slots.device)[None, :, None].expand_as(slots)

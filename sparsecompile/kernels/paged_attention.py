@@ -270,7 +270,20 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
 
 def _check_one_query(query: torch.Tensor) -> None:
     if query.shape[2] != 1:
-        raise ValueError(f"paged_attention_token_max takes one query per sequence (decode), got {query.shape[2]}")
+        raise ValueError(f"this attention variant takes one query per sequence (decode), got {query.shape[2]}")
+
+
+def _group_logits(query: torch.Tensor, k_pool: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode query per sequence: raw logits ``q . k`` per view position ``[batch, kv_heads, group, span]`` fp32
+    (each query head against its KV head's keys), and the view's ``slots, valid`` (:func:`view_slots`)."""
+    _check_one_query(query)
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = k_pool.shape[1]
+    slots, valid = view_slots(index, lengths, block_size)
+    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, span, head_dim]
+    q = query[:, :, 0].float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    return torch.einsum("bhgd,bhsd->bhgs", q, keys), slots, valid
 
 
 def token_max_reference(query: torch.Tensor, k_pool: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
@@ -278,13 +291,8 @@ def token_max_reference(query: torch.Tensor, k_pool: torch.Tensor, index: torch.
     """Per view position, the largest raw logit ``q_h . k`` (no scale, no visibility mask) over the query heads of
     the position's KV head, for one decode query per sequence: ``query [batch, q_heads, 1, head_dim]`` ->
     ``[batch, kv_heads, entries * block_size]`` fp32, ``-inf`` at positions past ``lengths``."""
-    _check_one_query(query)
-    batch, q_heads, _, head_dim = query.shape
-    kv_heads = k_pool.shape[1]
-    slots, valid = view_slots(index, lengths, block_size)
-    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, span, head_dim]
-    q = query[:, :, 0].float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-    logits = torch.einsum("bhgd,bhsd->bhgs", q, keys).amax(2)
+    logits, _, valid = _group_logits(query, k_pool, index, lengths, block_size)
+    logits = logits.amax(2)
     return torch.where(valid, logits, torch.full_like(logits, float("-inf")))
 
 
@@ -316,15 +324,9 @@ def decode_logits_reference(query: torch.Tensor, k_pool: torch.Tensor, pos_pool:
     """One decode query per sequence: ``[batch, q_heads, entries * block_size]`` fp32, per view position the query's
     scaled logit ``scale * q . k`` against its KV head's key, ``-inf`` where the query does not see the slot (past
     the list included), so that ``exp(logits - lse)`` is the softmax probability the attention gave the slot."""
-    _check_one_query(query)
-    batch, q_heads, _, head_dim = query.shape
-    kv_heads = k_pool.shape[1]
-    slots, valid = view_slots(index, lengths, block_size)
-    keys = gather_slots(k_pool, slots).float()  # [batch, kv_heads, span, head_dim]
-    q = query[:, :, 0].float().reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-    logits = torch.einsum("bhgd,bhsd->bhgs", q, keys) * scale
+    logits, slots, valid = _group_logits(query, k_pool, index, lengths, block_size)
     seen = visibility(gather_slots(pos_pool, slots), valid, q_positions, sliding_window)  # [batch, kv_heads, 1, span]
-    return logits.masked_fill(~seen, float("-inf")).reshape(batch, q_heads, -1)
+    return (logits * scale).masked_fill(~seen, float("-inf")).flatten(1, 2)
 
 
 def paged_attention_logits_reference(query, k_pool, v_pool, pos_pool, index, lengths, q_positions, block_size, scale,

@@ -1,6 +1,7 @@
 """CUDA-only (skipped without a GPU): the attention-mass kernels (log-sum-exp pass,
-``h2o_accumulate[_lse|_logits]``, ``snapkv_scores``, ``kvzip_scores``) against their torch references at the benchmark's sizes in bf16, and the
-H2O ops captured in a CUDA graph (no host synchronisation) replaying to the eager result.
+``h2o_accumulate[_lse|_logits]``, ``snapkv_scores``, ``kvzip_scores``) against their torch references at the
+benchmark's sizes in bf16, and the H2O ops captured in a CUDA graph (no host synchronisation) replaying to the eager
+result.
 
 Tolerance: the kernels multiply bf16 queries and keys with fp32 accumulation, the references upcast them and
 multiply in fp32, so the logits agree to about 1e-6 relative and every probability, sum or maximum to
