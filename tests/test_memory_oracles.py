@@ -50,6 +50,8 @@ class Replay:
     Attributes:
         prefill_peak: most pages held at once during the prompt (after a chunk's pages, before its eviction).
         resident: slot counts per layer after the prompt and after each decode step (``[generated][layer]``).
+        held: pages held after the prompt and after each decode step (``[generated]``; decode eviction keeps the
+            pages of ``budget + interval`` slots).
         step_pages: pages allocated by each decode step (``[generated]``, step ``g`` goes from ``g`` to ``g + 1``).
         peak: most pages held at once over the whole run.
     """
@@ -68,10 +70,12 @@ class Replay:
             self._step(start, stop - start, is_prefill=True, is_last_chunk=stop == prompt_len)
         self.prefill_peak = self.peak
         self.resident = [self.manager.slot_counts(self.row)]
+        self.held = [self.manager.allocator.num_used]
         self.step_pages = []
         for g in range(max_new):
             self.step_pages.append(self._step(prompt_len + g, 1, is_prefill=False, is_last_chunk=False))
             self.resident.append(self.manager.slot_counts(self.row))
+            self.held.append(self.manager.allocator.num_used)
         self.manager.release_sequence(self.row)
         assert self.manager.allocator.num_used == 0
 
@@ -86,7 +90,9 @@ class Replay:
         self.peak = max(self.peak, m.allocator.num_used)
         self.runtime.prepare_step(m, step)
         self.runtime.commit_step(m, step)  # eviction truncates here and frees pages
-        assert m.allocator.num_used == pages(m.slot_counts(self.row), m.layout.page_size)
+        assert m.allocator.num_used == sum(len(m.pages_of(self.row, layer)) for layer in range(m.layout.num_layers))
+        if is_prefill:  # prefill keeps no spare pages
+            assert m.allocator.num_used == pages(m.slot_counts(self.row), m.layout.page_size)
         return allocated
 
 
@@ -98,6 +104,7 @@ def check_against_replay(method: str, options: dict, prompt_len: int, max_new: i
     run = Replay(method, options, prompt_len, max_new, layers=layers, page=page, chunk=chunk)
     for g in range(max_new + 1):
         assert o.resident_slots_per_layer(prompt_len, g) == run.resident[g], g
+        assert o.pages_for(o.held_slots_per_layer(prompt_len, g)) == run.held[g], g
     for g in range(max_new):
         assert o.step_cost(prompt_len, g, 1) == {"kv_pages": run.step_pages[g]}, g
     admission = o.admission_cost(prompt_len, max_new)["kv_pages"]
@@ -208,8 +215,10 @@ def test_streamingllm_decode_stays_at_the_budget():
     assert [o.resident_slots_per_layer(100, g)[0] for g in (0, 1, 50)] == [12, 12, 12]
     assert [o.resident_slots_per_layer(9, g)[0] for g in (0, 2, 3, 4, 40)] == [9, 11, 12, 12, 12]
     assert o.peak_slots_per_layer(9, 40) == [13] * L  # budget + the step's new token
-    # 12 slots = 3 full pages: every step's new token opens a 4th page per layer before the eviction frees it
-    assert o.step_cost(100, 0, 1) == {"kv_pages": 3} and o.step_cost(100, 30, 1) == {"kv_pages": 3}
+    # 12 slots = 3 full pages: the first decode step's new token opens a 4th page per layer, which the row keeps (it
+    # holds 13 slots again at every later step): later steps take no page
+    assert o.step_cost(100, 0, 1) == {"kv_pages": 3} and o.step_cost(100, 30, 1) == {"kv_pages": 0}
+    assert [o.held_slots_per_layer(100, g)[0] for g in (0, 1, 30)] == [12, 13, 13]
     assert oracle("streamingllm", budget=13, sinks=4).step_cost(100, 30, 1) == {"kv_pages": 0}  # 14 fits 4 pages
 
 
@@ -318,16 +327,18 @@ EVICTING = [("streamingllm", {"budget": 24}), ("h2o", {"budget": 24, "interval":
             ("h2o", {"ratio": 0.3, "interval": 2})]
 
 
-@pytest.mark.parametrize("method,options", GROWING, ids=_ids)
+@pytest.mark.parametrize("method,options", GROWING + EVICTING, ids=_ids)
 @given(n=st.integers(1, 400), steps=st.integers(0, 60), page=st.sampled_from([1, 4, 16]))
 @settings(max_examples=40, deadline=None)
-def test_step_costs_sum_to_resident_growth(method, options, n, steps, page):
-    """Resident slots only grow: the steps' costs add up to the pages gained, and none is negative."""
+def test_step_costs_sum_to_held_growth(method, options, n, steps, page):
+    """Held pages only grow during decode (decode eviction keeps the pages of budget + interval slots): the steps'
+    costs add up to the pages gained, none is negative, and held covers resident."""
     o = oracle(method, page=page, **options)
     costs = [o.step_cost(n, g, 1)["kv_pages"] for g in range(steps)]
     assert min(costs, default=0) >= 0
-    before, after = o.resident_slots_per_layer(n, 0), o.resident_slots_per_layer(n, steps)
+    before, after = o.held_slots_per_layer(n, 0), o.held_slots_per_layer(n, steps)
     assert all(a >= b for a, b in zip(after, before))
+    assert all(h >= r for h, r in zip(after, o.resident_slots_per_layer(n, steps)))
     assert sum(costs) == o.pages_for(after) - o.pages_for(before)
 
 
@@ -335,16 +346,16 @@ def test_step_costs_sum_to_resident_growth(method, options, n, steps, page):
 @given(n=st.integers(1, 400), new=st.integers(1, 60), page=st.sampled_from([1, 4, 16]))
 @settings(max_examples=40, deadline=None)
 def test_admission_covers_every_step(method, options, n, new, page):
-    """The admission reservation covers what is resident after any step and what any step holds mid-way."""
+    """The admission reservation covers the pages held after any step and what any step holds mid-way."""
     o = oracle(method, page=page, **options)
     admitted = o.admission_cost(n, new)["kv_pages"]
     assert o.pages_for(o.peak_slots_per_layer(n, 0)) <= admitted
     for g in range(new + 1):
-        resident = o.resident_slots_per_layer(n, g)
-        assert o.pages_for(resident) <= admitted
+        held = o.held_slots_per_layer(n, g)
+        assert o.pages_for(o.resident_slots_per_layer(n, g)) <= o.pages_for(held) <= admitted
         if g < new:
             cost = o.step_cost(n, g, 1)["kv_pages"]
-            assert cost >= 0 and o.pages_for(resident) + cost <= admitted
+            assert cost >= 0 and o.pages_for(held) + cost <= admitted
 
 
 @pytest.mark.parametrize("method,options", GROWING + EVICTING, ids=_ids)

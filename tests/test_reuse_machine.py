@@ -60,10 +60,14 @@ class Executor:
         self.m.prepare_writes([r.row], np.zeros_like(before) if rewrite else before)  # copy-on-write
         self.m.flush()
 
-    def _shrink(self, r: Request, target: list[int]) -> None:
-        for layer, count in enumerate(target):
-            if count < int(self.m.slot_count_array([r.row])[0, layer]):
-                self.m.truncate(r.row, layer, int(count))
+    def _shrink(self, r: Request, target: list[int], reserve: list[int] | None = None) -> None:
+        """Truncate to ``target`` where it is below the count, keeping the pages of ``reserve`` slots (as decode
+        eviction does)."""
+        now = self.m.slot_count_array([r.row])[0]
+        layers = [layer for layer, count in enumerate(target) if count < int(now[layer])]
+        if layers:
+            self.m.truncate_many([r.row] * len(layers), layers, [int(target[layer]) for layer in layers],
+                                 None if reserve is None else [int(reserve[layer]) for layer in layers])
 
     def run(self, plan, stop_now: set[str]) -> list[Request]:
         for r in plan.preempted:
@@ -73,7 +77,13 @@ class Executor:
             self._grow(r, 1, self.rewrites)
             self.scheduler.decode_done(r)
             now = self.m.slot_count_array([r.row])[0]
-            self._shrink(r, np.minimum(now, self.scheduler._resident(r)))
+            o, n = self.scheduler.oracle, len(r.prefill_ids)
+            if r.prompt_slots is not None:
+                resident = o.resumed_resident_slots(r.prompt_slots, n, r.num_decoded)
+                held = o.resumed_held_slots(r.prompt_slots, n, r.num_decoded)
+            else:
+                resident, held = o.resident_slots_per_layer(n, r.num_decoded), o.held_slots_per_layer(n, r.num_decoded)
+            self._shrink(r, np.minimum(now, resident), held)
             finished += self._emit(r, stop_now)
         for chunk in plan.prefill:
             r = chunk.request

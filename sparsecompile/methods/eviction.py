@@ -306,7 +306,11 @@ class EvictionRuntime(SparseMethod):
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         over, layers = np.nonzero(self._targets < self._counts)
         if len(over):
-            manager.truncate_many(np.asarray(step.row_ids)[over], layers, self._targets[over, layers])
+            targets = self._targets[over, layers]
+            # decode keeps the pages of budget + interval slots (the MemoryOracle's held slots): the row takes them
+            # back before its next eviction, and freeing them would cost a page per pair and step
+            reserve = None if step.is_prefill or not self.decode_interval else targets + self.decode_interval
+            manager.truncate_many(np.asarray(step.row_ids)[over], layers, targets, reserve)
         if step.is_prefill and step.is_last_chunk:
             self._prompt_done([r for r, done in zip(step.row_ids, step.ends_prompt) if done])
 

@@ -19,7 +19,8 @@ class EvictionMemoryOracle(MemoryOracle):
     Prefill holds the prompt transiently: all of it, or with chunk-wise eviction at most the budget plus one
     chunk (set ``prefill_chunk`` when the scheduler knows its chunk size; None = one forward per prompt).
     After the prompt a layer keeps ``kept(n)[layer]`` slots. Decode then appends (``decode_budget`` None) or
-    grows to ``budget + interval`` slots and drops back to ``budget``.
+    grows to ``budget + interval`` slots and drops back to ``budget``, keeping the pages of ``budget + interval``
+    slots from its first decode eviction on (it takes those slots back before the next one).
     """
 
     def __init__(self, layout: KVLayout, kept: Callable[[int], list[int]],
@@ -51,6 +52,9 @@ class EvictionMemoryOracle(MemoryOracle):
     def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
         return [self._after(prompt_len, kept, generated, transient=False) for kept in self.kept(prompt_len)]
 
+    def held_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
+        return [self._after(prompt_len, kept, generated, transient=True) for kept in self.kept(prompt_len)]
+
     def resumed_peak_slots(self, resident: list[int], prompt_len: int, suffix: int) -> list[int]:
         """A resumed row appends the suffix to what it holds; chunk-wise eviction bounds it by the budget + a chunk."""
         peaks = []
@@ -63,3 +67,6 @@ class EvictionMemoryOracle(MemoryOracle):
 
     def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
         return [self._after(prompt_len, held, generated, transient=False) for held in after_prompt]
+
+    def resumed_held_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
+        return [self._after(prompt_len, held, generated, transient=True) for held in after_prompt]

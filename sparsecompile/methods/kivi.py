@@ -114,6 +114,9 @@ class KiviMemoryOracle(MemoryOracle):
     def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
         return self.base.resident_slots_per_layer(prompt_len, generated)
 
+    def held_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
+        return self.base.held_slots_per_layer(prompt_len, generated)
+
     def kv_bytes(self, slots_per_layer: list[int]) -> int:
         """Codes, scales, zeros and full-precision residual of these slot counts, all KV heads (positions and the
         ring's unused capacity not counted: ``CacheManager.bytes_per_row`` is the ring)."""

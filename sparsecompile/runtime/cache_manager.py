@@ -297,12 +297,18 @@ class CacheManager(SharedPages, SlotAccess):
         """Keep only the first ``count`` slots of ``(row, layer)``; pages past them go back to the allocator."""
         self.truncate_many([row], [layer], [count])
 
-    def truncate_many(self, rows: Sequence[int], layers: Sequence[int], counts: Sequence[int]) -> None:
+    def truncate_many(self, rows: Sequence[int], layers: Sequence[int], counts: Sequence[int],
+                      reserve: Sequence[int] | None = None) -> None:
         """:meth:`truncate` for several distinct ``(row, layer)`` pairs, with one allocator call and no per-pair
-        Python. An evicting method's decode step shrinks every layer of every row (512 pairs at batch 16 of a 32-layer
-        model; when its budget fills a page exactly, each step takes a page per pair for the new token and frees it
-        again); one call a pair cost about 30 us of host time, 16 ms a step on the H200. Checks every pair before
-        changing anything."""
+        Python (an evicting method's decode step shrinks every layer of every row: 512 pairs at batch 16 of a 32-layer
+        model; one call a pair cost about 30 us of host time, 16 ms a step on the H200). Checks every pair before
+        changing anything.
+
+        ``reserve`` (slots per pair): keep the pages of that many slots where ``counts`` needs fewer (those the pair
+        owns), the room a decoding row takes back before it evicts again: a budget that fills its pages exactly
+        would otherwise take a page per pair for each step's new token and free it after the eviction. What sits
+        past ``counts`` in kept pages is dead (slots past ``lengths`` are never read).
+        """
         rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
         for row in set(rows.tolist()):
@@ -311,7 +317,8 @@ class CacheManager(SharedPages, SlotAccess):
         over = counts > before
         if over.any():
             raise ValueError(f"truncate to {int(counts[over][0])} slots but only {int(before[over][0])} are used")
-        keep = -(-counts // self.layout.page_size)
+        kept_slots = counts if reserve is None else np.maximum(counts, np.asarray(reserve, dtype=np.int64))
+        keep = np.minimum(-(-kept_slots // self.layout.page_size), self._owned[rows, layers])
         if self.storage is not None:
             for row, layer, old, new in zip(rows.tolist(), layers.tolist(), before.tolist(), counts.tolist()):
                 self.storage.on_truncate(row, layer, old, new)

@@ -30,6 +30,11 @@ class MemoryOracle(ABC):
         """Slots each layer holds between steps after ``generated`` decode tokens (default: the peak)."""
         return self.peak_slots_per_layer(prompt_len, generated)
 
+    def held_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
+        """Slots whose pages each layer keeps between steps: the resident slots, or more where the method keeps room
+        for tokens it takes back before it evicts again (decode eviction keeps ``budget + interval``)."""
+        return self.resident_slots_per_layer(prompt_len, generated)
+
     def pages_for(self, slots_per_layer: list[int]) -> int:
         P, slots = self.layout.page_size, list(slots_per_layer)
         if slots and slots.count(slots[0]) == len(slots):  # every layer alike (dense methods): the scheduler asks
@@ -50,8 +55,13 @@ class MemoryOracle(ABC):
         A step's tokens are written (``resident + new_tokens`` slots per layer) before any eviction of that step
         runs, so a step that evicts back below a page boundary still needs the page while it runs.
         """
-        now = self.resident_slots_per_layer(prompt_len, generated)
-        return {"kv_pages": self.pages_for([s + new_tokens for s in now]) - self.pages_for(now)}
+        return self.growth_cost(self.resident_slots_per_layer(prompt_len, generated),
+                                self.held_slots_per_layer(prompt_len, generated), new_tokens)
+
+    def growth_cost(self, resident: list[int], held: list[int], new_tokens: int) -> dict[str, int]:
+        """Pages ``new_tokens`` more slots per layer take beyond the pages of ``held`` slots."""
+        grown = [max(h, s + new_tokens) for s, h in zip(resident, held)]
+        return {"kv_pages": self.pages_for(grown) - self.pages_for(held)}
 
     # ---- resumed rows (a chain continuation: the row already holds a compacted prefix; serving/reuse.py)
     def resumed_peak_slots(self, resident: list[int], prompt_len: int, suffix: int) -> list[int]:
@@ -63,6 +73,10 @@ class MemoryOracle(ABC):
         """Slots each layer holds after ``generated`` decode tokens when the prompt (of ``prompt_len`` logical tokens)
         left ``after_prompt`` slots per layer (measured on the row, not derived from ``prompt_len``)."""
         return [c + generated for c in after_prompt]
+
+    def resumed_held_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
+        """:meth:`held_slots_per_layer` of such a row."""
+        return self.resumed_resident_slots(after_prompt, prompt_len, generated)
 
     def fits(self, cost: dict[str, int], budgets: dict[str, int]) -> bool:
         return all(cost.get(name, 0) <= budgets.get(name, 0) for name in cost)

@@ -196,17 +196,19 @@ class Scheduler:
     def _pages(self, slots_per_layer: list[int]) -> dict[str, int]:
         return {"kv_pages": self.oracle.pages_for(slots_per_layer)}
 
-    def _resident(self, request: Request) -> list[int]:
+    def _held(self, request: Request) -> list[int]:
+        """Slots whose pages the request's row keeps between steps (what its reservation shrinks to)."""
         n = len(request.prefill_ids)
         if request.prompt_slots is not None:
-            return self.oracle.resumed_resident_slots(request.prompt_slots, n, request.num_decoded)
-        return self.oracle.resident_slots_per_layer(n, request.num_decoded)
+            return self.oracle.resumed_held_slots(request.prompt_slots, n, request.num_decoded)
+        return self.oracle.held_slots_per_layer(n, request.num_decoded)
 
     def _step_cost(self, request: Request) -> dict[str, int]:
         if request.prompt_slots is None:
             return self.oracle.step_cost(len(request.prefill_ids), request.num_decoded, 1)
-        now = self._resident(request)
-        return {"kv_pages": self.oracle.pages_for([s + 1 for s in now]) - self.oracle.pages_for(now)}
+        n = len(request.prefill_ids)
+        now = self.oracle.resumed_resident_slots(request.prompt_slots, n, request.num_decoded)
+        return self.oracle.growth_cost(now, self._held(request), 1)
 
     def _prefill_cost(self, request: Request, resume: Resume | None = None) -> dict[str, int]:
         n = len(request.prefill_ids)
@@ -258,7 +260,7 @@ class Scheduler:
         request.prefill_ids = list(request.prompt_ids)
         request.num_prefilled, request.num_decoded = len(request.prefill_ids), 0
         peak = self._prefill_cost(request)
-        resident = self._pages(self._resident(request))
+        resident = self._pages(self._held(request))
         need = {k: max(peak.get(k, 0), resident.get(k, 0)) for k in set(peak) | set(resident)}
         if len(self.running) < self.max_num_seqs and self.oracle.fits(need, self.free()):
             request.status = RequestStatus.DECODING
@@ -377,13 +379,13 @@ class Scheduler:
             r.num_decoded = 0
             if slots is not None:
                 r.prompt_slots = list(slots)
-            self._set_reservation(r, self._pages(self._resident(r)))
+            self._set_reservation(r, self._pages(self._held(r)))
 
     def decode_done(self, request: Request) -> None:
         """The engine ran one decode step of ``request``: shrink its reservation to what stays resident."""
         request.num_decoded += 1
         request.num_computed += 1
-        self._set_reservation(request, self._pages(self._resident(request)))
+        self._set_reservation(request, self._pages(self._held(request)))
 
 
 def _summed(costs) -> dict[str, int]:
