@@ -44,8 +44,9 @@
 # 1.002 / 1.004), user_points 131072x1 NEW=513 snapkv,h2o (0.994 / 1.004; h2o 0.947x snapkv), kernel_bench pointwise.
 # Then (CPU) H2O's decode update from the attention's logits, and page lists as host-table reads (the churn 4x cheaper).
 # Next: h2o_logits (GPU tests of the new ops + engine steps; not run yet), then POINT=32768x16 METHODS=snapkv,h2o NEW=257
-# user_points (the 0.9x target through generate(), both in one call), test_export_cuda alone, user_points 131072x4
-# (every method: two a call), 32768x16 streamingllm,pyramidkv.
+# user_points (the 0.9x target through generate(), both in one call), verify (the engine's GPU tests after decode
+# eviction started keeping its pages), test_export_cuda alone, user_points 131072x4 (every method: two a call),
+# 32768x16 streamingllm,pyramidkv.
 # 2026-12-03 sixth session: user_points 32768x16 h2o,vanilla (h2o 0.30x snapkv: host page churn; vanilla out of
 # memory: restore() kept the previous pool alive), kivi_wave (splits filling one wave: 11 tests passed, kivi2 1.37x),
 # h2o_b16 (profiles: 7.3 ms of GPU work in a 23.7 ms step), h2o_fix (truncate_many: engine 2,148 tok/s, generate()
