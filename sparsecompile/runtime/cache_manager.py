@@ -252,9 +252,7 @@ class CacheManager(SharedPages, SlotAccess):
         after pair in list order, as one int64 array, and their ``(row, layer, index)`` places in the host table."""
         rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
         first = np.broadcast_to(np.asarray(first, dtype=np.int64), rows.shape)
-        counts = np.maximum(self._owned[rows, layers] - first, 0)
-        pair = np.repeat(np.arange(len(rows)), counts)
-        index = first[pair] + np.arange(len(pair)) - np.repeat(np.cumsum(counts) - counts, counts)
+        pair, index = _runs(first, np.maximum(self._owned[rows, layers] - first, 0))
         place = (rows[pair], layers[pair], index)
         return self._host_table[place].astype(np.int64), place
 
@@ -281,11 +279,8 @@ class CacheManager(SharedPages, SlotAccess):
         if len(grows):
             have, need = owned[grows, layers], want[grows, layers]
             fresh = np.asarray(self.allocator.allocate(int((need - have).sum())), dtype=np.int64)
-            counts = need - have
-            ends = np.cumsum(counts)
-            pair = np.repeat(np.arange(len(grows)), counts)  # each new page's pair
+            pair, index = _runs(have, need - have)  # each new page's pair and its place in the row's table
             row_ids = np.asarray(rows, dtype=np.int64)[grows]
-            index = have[pair] + np.arange(len(fresh)) - (ends - counts)[pair]  # its place in the row's table
             entries = np.stack([row_ids[pair], layers[pair], index, fresh], axis=1)  # as flush() sends them
             self._host_table[entries[:, 0], entries[:, 1], entries[:, 2]] = fresh
             self._new_entries.append(entries)
@@ -388,3 +383,10 @@ class CacheManager(SharedPages, SlotAccess):
     def _written_from(self, from_slots: np.ndarray) -> np.ndarray:
         """A step appending after ``from_slots`` may also write earlier slots (KIVI quantizes from ``Q(from)``)."""
         return from_slots if self.storage is None else self.storage.written_from(np.asarray(from_slots))
+
+
+def _runs(first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pair ``i`` covers table indices ``first[i] .. first[i] + counts[i] - 1``: every such index, pair after pair,
+    as ``(pair, index)`` int64 arrays of length ``counts.sum()``."""
+    pair = np.repeat(np.arange(len(counts)), counts)
+    return pair, first[pair] + np.arange(len(pair)) - np.repeat(np.cumsum(counts) - counts, counts)
