@@ -132,11 +132,11 @@ def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
 
 
 def pages_per_sequence(oracle, context: int, generated: int) -> int:
-    """Pages one sequence holds after ``generated`` decode tokens plus what one more step writes before it evicts
-    (an H2O step adds a token to a full budget, then evicts one: at batch 16 that is 512 pages over the resident
-    size, which a pool sized by the resident slots alone lacked)."""
-    resident = oracle.resident_slots_per_layer(context, generated)
-    return oracle.pages_for(resident) + oracle.step_cost(context, generated, 1)["kv_pages"]
+    """Pages one sequence holds after ``generated`` decode tokens plus what one more step writes before it evicts:
+    the held pages (decode eviction keeps those of ``budget + interval`` slots; a pool sized by the resident slots
+    lacked one page per layer and row for H2O at 32K x 16) and the step's growth beyond them."""
+    held = oracle.held_slots_per_layer(context, generated)
+    return oracle.pages_for(held) + oracle.step_cost(context, generated, 1)["kv_pages"]
 
 
 def engine_point(model, method: str, context: int, batch: int, warmup: int, steps: int, wbytes: int,

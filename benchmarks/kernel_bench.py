@@ -107,9 +107,9 @@ def op_rows(copies: int = 3) -> list[dict]:
     del sets
     for shape, k in (((batch, KV_HEADS, pages), 2048 // PAGE), ((batch, 1, context + 164), 2048)):
         sets = [(torch.randn(*shape, device="cuda"), torch.full(shape[:2], k, device="cuda")) for _ in range(copies)]
-        for bits in (1, 8) if shape[2] <= 16384 else (1,):  # longer rows take the torch path either way
-            rows.append(_op_row("topk_select" + ("" if bits == 1 else f" r{bits}"), sets,
-                                lambda s, c, k=k, bits=bits: topk_select_triton(s, c, k, radix_bits=bits),
+        for search in ("bisect", "bit", "byte") if shape[2] <= 16384 else ("bisect",):  # longer rows: torch path
+            rows.append(_op_row("topk_select" + ("" if search == "bisect" else f" {search}"), sets,
+                                lambda s, c, k=k, search=search: topk_select_triton(s, c, k, search=search),
                                 shape[0] * shape[1] * shape[2] * 4 / 1e6, shape=list(shape), k=k))
     # OmniKV's filter layer: dense decode attention, then its score pass over the same keys.
     sets, info = decode_inputs(batch, context, None, PAGE, copies=2)

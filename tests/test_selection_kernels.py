@@ -170,22 +170,22 @@ def test_triton_omnikv_scores_match_reference():
 
 
 @triton_only
-@pytest.mark.parametrize("radix_bits", [1, 8])
+@pytest.mark.parametrize("search", ["bisect", "bit", "byte"])
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16)])
-def test_triton_topk_select_matches_reference(n, k, radix_bits):
+def test_triton_topk_select_matches_reference(n, k, search):
     from sparsecompile.kernels.topk_select import topk_select_triton
 
     scores = _topk_case(n, n + 1).to(DEVICE)
     counts = torch.tensor([[0, 3, k], [1, k + 4, 2]], device=DEVICE)
-    got = topk_select_triton(scores, counts, k, radix_bits=radix_bits)
+    got = topk_select_triton(scores, counts, k, search=search)
     assert torch.equal(got, topk_select_reference(scores, counts, k))
 
 
 @triton_only
-@pytest.mark.parametrize("levels", [3, 40, None])
+@pytest.mark.parametrize("levels", [1, 3, 40, None])
 def test_triton_topk_select_ties_match_reference(levels):
-    """Heavy ties (3 levels), some (40) and none: the radix select keeps the reference's set (ties to the lower
-    index), whatever the counts."""
+    """One value everywhere, heavy ties (3 levels), some (40) and none: every search keeps the reference's set
+    (ties to the lower index), whatever the counts."""
     from sparsecompile.kernels.topk_select import topk_select_triton
 
     g = torch.Generator().manual_seed(7)
@@ -196,9 +196,9 @@ def test_triton_topk_select_ties_match_reference(levels):
     counts = torch.randint(0, k + 8, (4, 5), generator=g)
     counts[0, :3] = torch.tensor([0, 1, n])
     want = topk_select_reference(scores, counts, k)
-    for radix_bits in (1, 8):
-        got = topk_select_triton(scores.to(DEVICE), counts.to(DEVICE), k, radix_bits=radix_bits)
-        assert torch.equal(got.cpu(), want), radix_bits
+    for search in ("bisect", "bit", "byte"):
+        got = topk_select_triton(scores.to(DEVICE), counts.to(DEVICE), k, search=search)
+        assert torch.equal(got.cpu(), want), search
 
 
 @pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16), (300, 40)])

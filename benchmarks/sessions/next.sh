@@ -392,6 +392,18 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+h2o_b16)  # #14: after h2o_logits (decode.py's pool short of the held pages at 32K x 16: fixed): the top-k select's
+  # bisection (GPU tests, kernel rows), the 32K x 16 engine steps profiled, the engine GPU tests after the page change
+  timeout -s INT 90 $P tests/gpu/test_selection_cuda.py -k topk > "$OUT/gpu_tests_topk_bisect.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_topk_bisect.log" | tail -4
+  timeout -s INT 90 python3 benchmarks/kernel_bench.py --only ops --quick --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  echo "rc=$?"; grep -E "^topk|^quest" "$OUT/kernels_ops.log" | cut -c1-150
+  timeout -s INT 200 python3 benchmarks/decode.py --points 32768x16 --methods snapkv,h2o --no-hf \
+    --max-batch "" --prefill "" --profile 32768x16 --out "$OUT" --tag _h200_h2o_logits_b16 > "$OUT/h2o_b16.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_b16.log" | cut -c1-200
+  grep -h "_accumulate_logits_kernel\|_paged_attention_kernel\|_evict_lowest\|_mass" "$OUT"/profile_*_32k_b16.txt | cut -c1-60,150-230
+  timeout -s INT 200 $P tests/gpu/test_cuda_engine.py > "$OUT/gpu_tests_engine_pages.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_engine_pages.log" | tail -6 ;;
 h2o_logits)  # #14: H2O's decode update from the attention's logits (no key pass; was 23.8 us a layer at 32K x 16): GPU
   # tests of the kernels and the eviction / mixed steps, the kernel rows, the engine steps profiled, generate() (~9 min)
   timeout -s INT 200 $P tests/gpu/test_mass_cuda.py tests/gpu/test_eviction_cuda.py > "$OUT/gpu_tests_h2o_logits.log" 2>&1

@@ -7,20 +7,23 @@ last), padded with ``-1`` up to the static width ``k``. Ties at the threshold go
 so the selection is deterministic (unlike ``torch.topk``). Callers force an entry in with a score of
 ``+inf`` and keep one out with ``-inf`` (and a count that does not reach it).
 
-On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton radix select: one program loads the
-row once as 32-bit order keys, radix passes find the ``count``-th largest, and one ordered pass
+On CUDA, rows of up to 16K scores (Quest's pages) go to a Triton select: one program loads the row
+once as 32-bit order keys, block reductions find the ``count``-th largest, and one ordered pass
 writes the winners with a running prefix sum (no sort; ascending by construction). The row sits in a
 power-of-two main tile plus a tail tile: Quest's 8,203 pages at 128K (8,192 + a page per 16 decode
-tokens) take 8,192 + 16 entries instead of 16,384. With that, Quest's decode step at 128K x 4 went
-from 8.69 to 8.43 ms on the H200 (460.2 -> 474.5 tok/s, ``results/decode_h200_quest_topk.jsonl``; one
-run, not profiled, with the decode compile's fusion-search change beside it). The passes are 32
-one-bit block reductions (``radix_bits=1``, the default, measured: 31 us a layer for Quest at 128K x 4,
-``results/profile_quest_128k_b4.txt``) or four 8-bit histograms (``radix_bits=8``: 67 us, ``tl.histogram`` is
-slow; ``results/kernels_ops_h200_c.jsonl``). A two-bit variant (16 passes whose four digit counts shared one int64
-reduction) took 44.2 us against one-bit's 32.5 us on the H200 (``results/kernels_ops_h200_d.jsonl``) and was
-removed. Longer rows
-(OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over many
-blocks, and the same tie rule and prefix-sum placement in torch ops.
+tokens) take 8,192 + 16 entries instead of 16,384 (8.69 -> 8.43 ms a Quest step at 128K x 4 on the H200,
+``results/decode_h200_quest_topk.jsonl``).
+
+The threshold search is a chain of dependent block reductions, so its length is the kernel's time
+(the warps do not matter: ``results/quest_ops_sweep_h200.jsonl``). ``search="bit"``: 32 one-bit radix passes
+(31 us a layer for Quest at 128K x 4 in ``results/profile_quest_128k_b4.txt``, 32.5 us alone).
+``search="byte"``: four 8-bit histograms (67 us; ``tl.histogram`` is slow, ``results/kernels_ops_h200_c.jsonl``).
+A two-bit variant (16 passes whose four digit counts shared one int64 reduction) took 44.2 us and was removed
+(``results/kernels_ops_h200_d.jsonl``). ``search="bisect"`` (the default): bisection of the keys' range that
+stops once exactly ``count`` keys lie at or above the midpoint, about log2(range / gap at the threshold)
+passes instead of 32 (CPU-tested; the H200 figure is in ``kernel_bench.py --only ops``' rows).
+Longer rows (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over
+many blocks, and the same tie rule and prefix-sum placement in torch ops.
 """
 
 from __future__ import annotations
@@ -110,6 +113,30 @@ if triton is not None:
         return thr
 
     @triton.jit
+    def _threshold_bisect(key, valid, key_t, valid_t, count, HAS_TAIL: tl.constexpr):
+        """As :func:`_threshold_1bit`, by bisection of ``[min key, max key]`` that stops as soon as exactly ``count``
+        keys lie at or above the midpoint (every later step would only move the threshold inside the gap under the
+        count-th key). The passes needed are about log2(key range / gap at the count-th key), not 32: the leading
+        bits that every key shares and the trailing bits below the gap cost nothing."""
+        big = tl.full([], 0xFFFFFFFF, tl.uint32)
+        lo = tl.min(tl.where(valid, key, big), 0)
+        hi = tl.max(tl.where(valid, key, 0), 0)
+        if HAS_TAIL:
+            lo = tl.minimum(lo, tl.min(tl.where(valid_t, key_t, big), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(valid_t, key_t, 0), 0))
+        # Invariant: the threshold (the largest t with at least count keys >= t) lies in [lo, hi].
+        while lo < hi:
+            d = hi - lo
+            mid = lo + (d >> 1) + (d & 1)  # the upper midpoint, in (lo, hi]; no overflow at d = 2^32 - 1
+            at_or_above = tl.sum((valid & (key >= mid)).to(tl.int32), 0)
+            if HAS_TAIL:
+                at_or_above += tl.sum((valid_t & (key_t >= mid)).to(tl.int32), 0)
+            fits = at_or_above >= count
+            lo = tl.where(fits, mid, lo)
+            hi = tl.where(fits, tl.where(at_or_above == count, mid, hi), mid - 1)
+        return lo
+
+    @triton.jit
     def _threshold_8bit(key, valid, count):
         """As :func:`_threshold_1bit`, one byte at a time: among the keys that share the digits chosen so far, a
         256-bin histogram of the next byte; the digit is the largest d whose keys at or above it, with the keys
@@ -141,7 +168,7 @@ if triton is not None:
     @triton.jit
     def _topk_select_kernel(S, C, OUT, stride_sb, stride_sh, stride_cb, stride_ch, stride_ob, stride_oh,
                             n, k_out, HEADS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
-                            HAS_TAIL: tl.constexpr, RADIX_BITS: tl.constexpr):
+                            HAS_TAIL: tl.constexpr, SEARCH: tl.constexpr):
         # One program per row; the row is in registers (entries [0, BLOCK) and, with HAS_TAIL, [BLOCK, BLOCK +
         # TAIL): a row just past a power of two need not pad to the next) and every radix pass runs from there.
         pid = tl.program_id(0)
@@ -157,10 +184,12 @@ if triton is not None:
         offs_t = BLOCK + tl.arange(0, TAIL)
         valid_t = offs_t < n
         key_t = _order_key(tl.load(row + offs_t, mask=valid_t & HAS_TAIL, other=0.0).to(tl.float32))
-        if RADIX_BITS == 8:  # (the launcher gives it one tile)
+        if SEARCH == 2:  # (the launcher gives it one tile)
             thr = _threshold_8bit(key, valid, count)
-        else:
+        elif SEARCH == 1:
             thr = _threshold_1bit(key, valid, key_t, valid_t, count, HAS_TAIL)
+        else:
+            thr = _threshold_bisect(key, valid, key_t, valid_t, count, HAS_TAIL)
         above = tl.sum((valid & (key > thr)).to(tl.int32), 0)
         if HAS_TAIL:
             above += tl.sum((valid_t & (key_t > thr)).to(tl.int32), 0)
@@ -177,27 +206,31 @@ if triton is not None:
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
 
 
-def _tiles(n: int, radix_bits: int) -> tuple[int, int]:
+SEARCHES = ("bisect", "bit", "byte")  # the kernel's SEARCH constexpr is the index
+
+
+def _tiles(n: int, search: str) -> tuple[int, int]:
     """Main and tail tile sizes for a row of ``n`` scores: the largest power of two <= n and the power of two that
     covers the rest (0: none), so a row just past a power of two (Quest's 8,203 pages at 128K) takes 8,192 + 16
     entries, not 16,384. One tile for the 8-bit histogram select."""
     whole = max(16, triton.next_power_of_2(n))
-    if radix_bits == 8 or whole == n or n <= 16:
+    if search == "byte" or whole == n or n <= 16:
         return whole, 0
     main = whole // 2
     return main, max(16, triton.next_power_of_2(n - main))
 
 
 def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384,
-                       radix_bits: int = 1, num_warps: int | None = None) -> torch.Tensor:
+                       search: str = "bisect", num_warps: int | None = None) -> torch.Tensor:
     """CUDA implementation with the semantics of :func:`topk_select_reference`.
 
-    Rows of up to ``max_tile`` scores: the Triton radix select, one program per row, ``radix_bits`` 1 or 8 a
-    pass. Longer rows (OmniKV's prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads a row
-    over many blocks. ``num_warps``: the program's warps (None: 4, 8 or 16 by tile size; benchmarks sweep it).
+    Rows of up to ``max_tile`` scores: the Triton select, one program per row; ``search`` picks how the threshold
+    is found: ``"bisect"`` (the default), ``"bit"`` (32 one-bit radix passes) or ``"byte"`` (four 8-bit
+    histograms). Longer rows (OmniKV's prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads
+    a row over many blocks. ``num_warps``: the program's warps (None: 4, 8 or 16 by tile size; benchmarks sweep it).
     """
-    if radix_bits not in (1, 8):
-        raise ValueError(f"radix_bits is 1 or 8, got {radix_bits}")
+    if search not in SEARCHES:
+        raise ValueError(f"search is one of {SEARCHES}, got {search!r}")
     batch, heads, n = scores.shape
     if n > max_tile:
         return _topk_select_long(scores, counts, k)
@@ -206,11 +239,11 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
     out = torch.empty(batch, heads, k, dtype=torch.int64, device=scores.device)
     if batch * heads == 0 or k == 0:
         return out
-    block, tail = _tiles(n, radix_bits)
+    block, tail = _tiles(n, search)
     _topk_select_kernel[(batch * heads,)](
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
         out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, TAIL=max(tail, 16), HAS_TAIL=tail > 0,
-        RADIX_BITS=radix_bits, num_warps=num_warps or (16 if block >= 16384 else 8 if block >= 4096 else 4),
+        SEARCH=SEARCHES.index(search), num_warps=num_warps or (16 if block >= 16384 else 8 if block >= 4096 else 4),
     )
     return out
 

@@ -52,9 +52,9 @@ def test_quest_and_omnikv_scores_triton_vs_reference(dtype):
                                atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("radix_bits", [1, 8])
-@pytest.mark.parametrize("n,k", [(512, 31), (8192, 2048), (40000, 512)])
-def test_topk_select_triton_vs_reference(n, k, radix_bits):
+@pytest.mark.parametrize("search", ["bisect", "bit", "byte"])
+@pytest.mark.parametrize("n,k", [(512, 31), (8192, 2048), (8203, 128), (40000, 512)])
+def test_topk_select_triton_vs_reference(n, k, search):
     from sparsecompile.kernels.topk_select import topk_select_reference, topk_select_triton
 
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -64,7 +64,7 @@ def test_topk_select_triton_vs_reference(n, k, radix_bits):
     scores[2, 1, 7] = float("inf")
     counts = torch.randint(0, k + 1, (3, 4), device="cuda", generator=g)
     counts[0, 0] = k
-    assert torch.equal(topk_select_triton(scores, counts, k, radix_bits=radix_bits),
+    assert torch.equal(topk_select_triton(scores, counts, k, search=search),
                        topk_select_reference(scores, counts, k))
 
 
