@@ -61,7 +61,8 @@ def _row(kernel: str, fns: list, mb_read: float, flops: float = 0.0, iters: int 
     return row
 
 
-def _h2o_decode(copies: int, iters: int, configs: list, batch: int = 64, budget: int = 2048) -> list[dict]:
+def _h2o_decode(copies: int, iters: int, configs: list, batch: int = 64, budget: int = 2048,
+                attention_configs: tuple = (None,)) -> list[dict]:
     sets = []
     for k, pos, index, lengths in sequence_pool(batch, budget, copies):
         q, qpos = _queries(batch, budget - 1, 1)
@@ -83,9 +84,12 @@ def _h2o_decode(copies: int, iters: int, configs: list, batch: int = 64, budget:
                                                         for a in logit_sets], mb_logits, iters=iters, batch=batch,
                      budget=budget))
     mb_attn = batch * KV_HEADS * budget * (DIM * 4 + 4) / 1e6  # keys, values, positions
-    for name, extra in (("paged_attention (decode)", {}), ("paged_attention + logits (decode)", {"with_logits": True})):
+    variants = [("paged_attention (decode)", {})]
+    variants += [("paged_attention + logits (decode)", {"with_logits": True, "config": cfg})
+                 for cfg in attention_configs]
+    for name, extra in variants:
         rows.append(_row(name, [lambda a=a, extra=extra: paged_attention_triton(*a[5], **extra) for a in logit_sets],
-                         mb_attn, iters=iters, batch=batch, budget=budget))
+                         mb_attn, iters=iters, batch=batch, budget=budget, config=extra.get("config") or "default"))
     for cfg in configs:
         rows.append(_row("h2o_accumulate_lse (decode)", [lambda a=a, cfg=cfg: h2o_accumulate_lse_triton(
             *a, PAGE, SCALE, 0, mass_config=cfg) for a in sets], mb, iters=iters, batch=batch, budget=budget,
@@ -172,9 +176,21 @@ def _decode_configs(sweep: bool) -> list:
                      for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
 
 
+def _logits_configs(sweep: bool) -> tuple:
+    """The decode attention that also writes its logits (H2O's update reads them): the default launch and, with
+    ``sweep``, tiles / warps / stages / split targets (the logits' stores cost 13 us a layer at 32K x 16 on the H200,
+    a third of the attention: ``results/profile_h2o_32k_b16_logits.txt``)."""
+    if not sweep:
+        return (None,)
+    return (None,) + tuple({"block_n": bn, "num_warps": w, "num_stages": st, "target_programs": tp}
+                           for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3) for tp in (264, 528, 1056))
+
+
 def mass_decode_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dict]:
-    """Only H2O's decode accumulation (``kernels.py --only mass_decode``: #14's bandwidth target, 70 %)."""
-    return _guarded("h2o decode", _h2o_decode, copies, iters, _decode_configs(sweep))
+    """Only H2O's decode update (``kernels.py --only mass_decode``: #14's bandwidth target, 70 %), at batch 64 and at
+    the engine's 32K x 16 point (batch 16, the 2,048-token budget)."""
+    rows = _guarded("h2o decode", _h2o_decode, copies, iters, _decode_configs(sweep), 64, 2048, _logits_configs(sweep))
+    return rows + _guarded("h2o decode b16", _h2o_decode, copies, iters, [None], 16, 2048, _logits_configs(sweep))
 
 
 def mass_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dict]:

@@ -39,6 +39,14 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-03 eighth session: h2o_logits (GPU tests 15 + 8 mixed passed; update 15.6 us vs 87.9 at batch 64; the 32K x 16
+# point ran out of pages: decode.py's pool now holds the held pages), h2o_b16 (topk bisect 18.6 vs 21.1 us, 12 tests;
+# h2o 2,274.3 vs snapkv 2,637.9 = 0.862x engine; attention with the logits' stores 53.8 us a layer vs 40.7; engine
+# tests 22 passed), user_points 32768x16 snapkv,h2o (0.862x through generate(), 0.973 / 0.974 of the engine),
+# 32768x16 and 131072x1 streamingllm,pyramidkv. One start refused (91 s).
+# Next: logits_sweep (the attention + logits launch configs; a winner becomes its config, then decode.py 32768x16
+# snapkv,h2o and user_points with NEW=1025: one 32K x 16 pair of 257 tokens is 1.7 s of decode beside 20.7 s of
+# prefill, too noisy), test_export_cuda alone, user_points 131072x4 (two methods a call), quest 128K x 4 (topk bisect).
 # 2026-12-03 seventh session: h2o_bound (the decode-view bound: h2o 2,211.9 tok/s at 32K x 16, snapkv 2,677.5, mass pass
 # 23.8 us a layer (38 before); eviction + mixed GPU tests 14 passed), user_points 32768x16 vanilla,quest,omnikv (1.028 /
 # 1.002 / 1.004), user_points 131072x1 NEW=513 snapkv,h2o (0.994 / 1.004; h2o 0.947x snapkv), kernel_bench pointwise.
@@ -392,6 +400,17 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
   timeout 100 ncu -k regex:_kivi_decode_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
+logits_sweep)  # #14: the decode attention with H2O's logits' stores (53.8 us a layer at 32K x 16 against 40.7 without:
+  # 0.42 ms of h2o's 1.0 ms a step over snapkv): 82 launch configs at batch 64 and 16 (~3 min); a winner goes in as
+  # paged_attention's logits config (like DECODE_TOKEN_MAX_CONFIG), then decode.py 32768x16 snapkv,h2o
+  timeout -s INT 300 python3 benchmarks/kernel_bench.py --only mass_decode --sweep --quick --out "$OUT" \
+    > "$OUT/mass_decode_sweep.log" 2>&1
+  echo "rc=$?"; python3 -c "import json
+rows = [json.loads(l) for l in open('$OUT/kernels_mass_decode.jsonl')]
+for b in (64, 16):
+    att = [r for r in rows if r.get('batch') == b and r['kernel'].startswith('paged_attention') and 'us' in r]
+    for r in att[:2]: print(b, r['kernel'], round(r['us'], 1), r.get('config'))
+    for r in sorted(att[2:], key=lambda r: r['us'])[:5]: print(b, 'best', round(r['us'], 1), r.get('config'))" ;;
 h2o_b16)  # #14: after h2o_logits (decode.py's pool short of the held pages at 32K x 16: fixed): the top-k select's
   # bisection (GPU tests, kernel rows), the 32K x 16 engine steps profiled, the engine GPU tests after the page change
   timeout -s INT 90 $P tests/gpu/test_selection_cuda.py -k topk > "$OUT/gpu_tests_topk_bisect.log" 2>&1
