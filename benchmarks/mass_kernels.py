@@ -178,12 +178,14 @@ def _decode_configs(sweep: bool) -> list:
 
 def _logits_configs(sweep: bool) -> tuple:
     """The decode attention that also writes its logits (H2O's update reads them): the default launch and, with
-    ``sweep``, tiles / warps / stages / split targets (the logits' stores cost 13 us a layer at 32K x 16 on the H200,
-    a third of the attention: ``results/profile_h2o_32k_b16_logits.txt``)."""
+    ``sweep``, tiles / warps / stages / split targets and the store as the tile or a row at a time (the logits' stores
+    cost 13 us a layer at 32K x 16 on the H200, a third of the attention: ``results/profile_h2o_32k_b16_logits.txt``;
+    compiled for sm_90 they add a layout conversion of the tile a loop step: ``sessions/sm90_attention_ir.py``)."""
     if not sweep:
         return (None,)
-    return (None,) + tuple({"block_n": bn, "num_warps": w, "num_stages": st, "target_programs": tp}
-                           for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3) for tp in (264, 528, 1056))
+    return (None,) + tuple({"block_n": bn, "num_warps": w, "num_stages": st, "target_programs": tp, "logits_by_row": r}
+                           for bn in (32, 64, 128) for w in (2, 4) for st in (2, 3) for tp in (264, 528)
+                           for r in (False, True))
 
 
 def mass_decode_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dict]:

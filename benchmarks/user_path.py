@@ -7,7 +7,8 @@ Per (method, context, batch) point, through the public API only (random bf16 wei
 
 * ``generate_tok_s = batch x (N - 1) / (t(generate N tokens) - t(generate 1 token))``: timed calls after a
   first (compiling) call, each with its own prefill, so the difference is decode; each time is the median of
-  ``--repeats`` calls (alternating) at points of up to 128K tokens in the batch, one call above;
+  ``--repeats`` calls (alternating) at points of up to 128K tokens in the batch, one call above (there N is 1025 by
+  default, so a prefill's spread stays small beside the decode);
 * ``engine_tok_s``: the compiled engine step from a synthetically filled cache (``decode.engine_point``), same run;
 * ``first_call_extra_s = t(first generate N) - t(generate N)`` (compile and capture on the first call);
 * ``warm_process_extra_s`` (``--warm-process``, 32K x 1 points): a new Python process (this script with ``--child``)
@@ -99,7 +100,7 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model = build_model(args.layers)
     built = time.perf_counter() - start
-    row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens, 1)
+    row = generate_point(model, args.methods, *map(int, args.points.split("x")), args.new_tokens or 129, 1)
     row["build_s"] = built
     row["decode_step_notes"] = [n for n in notes if "decode" in n][:4]
     row["compile_phases_s"] = compile_phases()
@@ -120,7 +121,7 @@ def build_programs(model, method: str, context: int, batch: int, new_tokens: int
 
 def warm_process_extra(args: argparse.Namespace, method: str, context: int, batch: int) -> float | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--methods", method, "--points",
-           f"{context}x{batch}", "--new-tokens", str(args.new_tokens)] + (["--layers", str(args.layers)]
+           f"{context}x{batch}", "--new-tokens", str(args.new_tokens or 129)] + (["--layers", str(args.layers)]
                                                                           if args.layers else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
     line = next((x for x in done.stdout.splitlines() if x.startswith("CHILD ")), None)
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="vanilla,streamingllm,snapkv,pyramidkv,h2o,quest,omnikv")
     parser.add_argument("--points", default="32768x1,32768x16,131072x1,131072x4")
-    parser.add_argument("--new-tokens", type=int, default=129)
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="N (default: 129 at points timed by medians, 1025 at points timed by one pair, where one "
+                             "pair of 32K x 16 prefills spreads by ~0.1 s beside 1.7 s of decode at 129)")
     parser.add_argument("--steps", type=int, default=128, help="timed engine steps")
     parser.add_argument("--repeats", type=int, default=3, help="timed generate() pairs per point up to 128K tokens "
                                                              "in the batch (medians); larger points time one pair")
@@ -166,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.methods.split(","):
             try:
                 repeats = args.repeats if context * batch <= 32768 * 4 else 1  # a 128K x 4 prefill takes 47 s
-                row = generate_point(model, method, context, batch, args.new_tokens, repeats)
+                new_tokens = args.new_tokens or (129 if repeats > 1 else 1025)
+                row = generate_point(model, method, context, batch, new_tokens, repeats)
                 if not args.no_engine:
                     engine = engine_point(model, method, context, batch, 16, args.steps, wbytes, 1.0)
                     row["engine_tok_s"] = engine.tok_s
                     row["generate_vs_engine"] = row["generate_tok_s"] / engine.tok_s
                 if args.warm_process and (context, batch) == (32768, 1):
                     if args.warm_programs:  # precompile the decode program the child's generate() will load
-                        row["programs_build_s"] = build_programs(model, method, context, batch, args.new_tokens)
+                        row["programs_build_s"] = build_programs(model, method, context, batch, new_tokens)
                     row["warm_process_extra_s"] = warm_process_extra(args, method, context, batch)
             except torch.OutOfMemoryError as err:
                 row = {"method": method, "context": context, "batch": batch, "error": f"out of memory: {err}"[:200],

@@ -288,7 +288,7 @@ user_points)  # #14 at the points not measured through generate() yet (32K x 16,
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
   # time one generate() pair)
   timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
-    --new-tokens ${NEW:-129} --out "$OUT" --tag _h200_points_${POINT:-32768x16} > "$OUT/user_points.log" 2>&1
+    ${NEW:+--new-tokens $NEW} --out "$OUT" --tag _h200_points_${POINT:-32768x16} > "$OUT/user_points.log" 2>&1
   echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores
   # separately vs fused, 48 configs, ~1 min), then the omnikv_fused stage below when it wins
@@ -401,8 +401,11 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/kernel_bench.py --only kivi --quick \
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
 logits_sweep)  # #14: the decode attention with H2O's logits' stores (53.8 us a layer at 32K x 16 against 40.7 without:
-  # 0.42 ms of h2o's 1.0 ms a step over snapkv): 82 launch configs at batch 64 and 16 (~3 min); a winner goes in as
-  # paged_attention's logits config (like DECODE_TOKEN_MAX_CONFIG), then decode.py 32768x16 snapkv,h2o
+  # 0.42 ms of h2o's 1.0 ms a step over snapkv): the mass GPU tests (the row-at-a-time store included), then 49 launch
+  # configs (tile or row stores) at batch 64 and 16 (~4-5 min); a winner goes in as paged_attention's logits config
+  # (like DECODE_TOKEN_MAX_CONFIG), then decode.py 32768x16 snapkv,h2o
+  timeout -s INT 120 $P tests/gpu/test_mass_cuda.py > "$OUT/gpu_tests_mass_rows.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_mass_rows.log" | tail -4
   timeout -s INT 300 python3 benchmarks/kernel_bench.py --only mass_decode --sweep --quick --out "$OUT" \
     > "$OUT/mass_decode_sweep.log" 2>&1
   echo "rc=$?"; python3 -c "import json

@@ -77,13 +77,15 @@ if triton is not None:
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                                 IEEE: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_MAX: tl.constexpr,
-                                WRITE_LOGITS: tl.constexpr):
+                                WRITE_LOGITS: tl.constexpr, LOGITS_BY_ROW: tl.constexpr = False):
         """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
 
         With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
         :func:`_combine_kernel`; otherwise the final output. ``WRITE_MAX`` (one row block, so no two programs
         write one entry): per view position, the largest raw logit of the block's rows, ``-inf`` past the list.
-        ``WRITE_LOGITS`` (one query): every row's scaled, masked logits per view position, ``-inf`` past the list.
+        ``WRITE_LOGITS`` (one query): every row's scaled, masked logits per view position, ``-inf`` past the list;
+        ``LOGITS_BY_ROW`` stores them a row at a time (a reduction picks each group head's row out of the MMA tile),
+        not as the [BLOCK_M, BLOCK_N] tile, whose store converts the whole tile's layout through shared memory.
         """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -122,7 +124,15 @@ if triton is not None:
             s = tl.where(jmask[None, :] & visible(kpos, qpos, window), s, float("-inf"))
             if WRITE_LOGITS:  # [batch, q_heads, span]: qh is the row's q head (one query per sequence)
                 j = start + tl.arange(0, BLOCK_N)
-                tl.store(logits + j[None, :], s, mask=row_ok[:, None] & jmask[None, :])
+                if LOGITS_BY_ROW:
+                    for r in tl.static_range(BLOCK_M):
+                        if r < GROUP:  # one query: the block's rows past the group hold nothing
+                            row = pid_m * BLOCK_M + r
+                            s_row = tl.sum(tl.where((rows == row)[:, None], s, 0.0), 0)
+                            tl.store(LOGITS + (b * (KV_HEADS * GROUP) + h * GROUP + row).to(tl.int64) * span + j,
+                                     s_row, mask=jmask & (j * 0 + row < GROUP))  # (a tensor mask: the interpreter)
+                else:
+                    tl.store(logits + j[None, :], s, mask=row_ok[:, None] & jmask[None, :])
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
@@ -252,7 +262,8 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         float(scale), int(sliding_window), queries, span,
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
-        WRITE_LSE=with_lse, WRITE_MAX=with_token_max, WRITE_LOGITS=with_logits, num_warps=cfg["num_warps"],
+        WRITE_LSE=with_lse, WRITE_MAX=with_token_max, WRITE_LOGITS=with_logits,
+        LOGITS_BY_ROW=cfg.get("logits_by_row", False), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     if splits > 1:

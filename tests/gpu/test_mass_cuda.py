@@ -72,17 +72,20 @@ def test_h2o_decode_triton_vs_reference(block, window):
     lse = attention_lse_reference(q, *args)
     torch.testing.assert_close(attention_lse_triton(q, *args), lse, rtol=1e-5, atol=1e-4)
     want = torch.rand(k.shape[:3], device="cuda", generator=g)
-    got, got_lse, got_logits = want.clone(), want.clone(), want.clone()
+    got, got_lse, got_logits_start = want.clone(), want.clone(), want.clone()
     h2o_accumulate_reference(want, q, *args)
     h2o_accumulate_lse_triton(got_lse, q, *args[:5], lse, *args[5:])
     h2o_accumulate_triton(got, q, *args)
-    # decode's path: the attention writes the logits and lse, the update reads them instead of the keys
-    _, attn_lse, logits = paged_attention_triton(q, k, torch.randn_like(k), pos, index, lengths, qpos, block, SCALE,
-                                                 window, with_logits=True)
-    h2o_accumulate_logits_triton(got_logits, logits, attn_lse, index, lengths, block)
     torch.testing.assert_close(got_lse, want, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(got_logits, want, rtol=RTOL, atol=ATOL)
+    # decode's path: the attention writes the logits (as the tile or a row at a time) and the lse, the update reads
+    # them instead of the keys
+    for by_row in (False, True):
+        got_logits = got_logits_start.clone()
+        _, attn_lse, logits = paged_attention_triton(q, k, torch.randn_like(k), pos, index, lengths, qpos, block,
+                                                     SCALE, window, with_logits=True, config={"logits_by_row": by_row})
+        h2o_accumulate_logits_triton(got_logits, logits, attn_lse, index, lengths, block)
+        torch.testing.assert_close(got_logits, want, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("context,window", [(32768, 0), (4096, 1024)])
