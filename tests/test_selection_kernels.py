@@ -201,12 +201,16 @@ def test_triton_topk_select_ties_match_reference(levels):
         assert torch.equal(got.cpu(), want), search
 
 
-@pytest.mark.parametrize("n,k", [(13, 5), (9, 12), (70, 16), (300, 40)])
-def test_long_row_topk_select_matches_reference(n, k):
-    """The torch path for rows longer than a Triton tile: same kept set, order, tie rule and padding."""
+@pytest.mark.parametrize("n,k,levels", [(13, 5, None), (9, 12, None), (70, 16, None), (300, 40, None), (300, 40, 3),
+                                          (300, 40, 40)])
+def test_long_row_topk_select_matches_reference(n, k, levels):
+    """The torch path for rows longer than a Triton tile: same kept set, order, tie rule (ties: 3 or 40 levels, the
+    count inside the top level or below several) and padding."""
     from sparsecompile.kernels.topk_select import _topk_select_long
 
     scores = _topk_case(n, n + 1)
+    if levels is not None:
+        scores = torch.randint(0, levels, scores.shape, generator=torch.Generator().manual_seed(n)).float()
     scores[1, 0, : n // 2] = float("-inf")  # fewer finite entries than some counts ask for
     scores[0, 2, 3] = float("inf")
     counts = torch.tensor([[0, 3, k], [n, k + 4, 2]])

@@ -86,8 +86,12 @@ def _topk_select_long(scores: torch.Tensor, counts: torch.Tensor, k: int) -> tor
     above = s > thr
     tie = s == thr
     ties = c - above.sum(-1, keepdim=True)
-    take = (above | (tie & (_row_cumsum(tie) <= ties))) & (c > 0)
-    dst = torch.where(take, _row_cumsum(take) - 1, k)
+    # One scan for both running counts (above in the high 32 bits, ties in the low: a row has < 2^32 entries): the
+    # ties taken are the first `ties`, so the taken entries up to i are above(i) + min(ties(i), ties).
+    counts = _row_cumsum((above.long() << 32) | tie.long())
+    above_run, tie_run = counts >> 32, counts & 0xFFFFFFFF
+    take = (above | (tie & (tie_run <= ties))) & (c > 0)
+    dst = torch.where(take, above_run + torch.minimum(tie_run, ties) - 1, k)
     out = torch.full((*s.shape[:-1], k + 1), -1, dtype=torch.int64, device=s.device)
     return out.scatter_(-1, dst, torch.arange(n, device=s.device).expand_as(dst))[..., :k].contiguous()
 
