@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import sys
@@ -376,6 +377,25 @@ def plot(points: list[Point], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def add_logits_config_argument(parser: argparse.ArgumentParser) -> None:
+    """``--logits-config``: an A/B of the decode attention's launch when it stores its logits (H2O), without editing
+    the kernel module: JSON ``{"short": {...}, "long": {...}}`` merged into ``DECODE_LOGITS_CONFIGS``."""
+    parser.add_argument("--logits-config", default="", help='JSON {"short": {...}, "long": {...}}: launch overrides '
+                        "of the decode attention that stores its logits (kernel_bench.py --only mass_decode --sweep)")
+
+
+def apply_logits_config(text: str) -> dict:
+    """Merge ``--logits-config``'s JSON into the kernel's table; returns the table in force."""
+    # the module, not the op of the same name that sparsecompile.kernels exports
+    paged_attention = importlib.import_module("sparsecompile.kernels.paged_attention")
+    for regime, cfg in (json.loads(text) if text else {}).items():
+        if regime not in paged_attention.DECODE_LOGITS_CONFIGS:
+            raise SystemExit(f"--logits-config: regimes are {sorted(paged_attention.DECODE_LOGITS_CONFIGS)}, "
+                             f"got {regime!r}")
+        paged_attention.DECODE_LOGITS_CONFIGS[regime].update(cfg)
+    return paged_attention.DECODE_LOGITS_CONFIGS
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", default="default", choices=sorted(GRIDS))
@@ -395,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="add to decode<TAG>.jsonl (one grid split over several invocations); the plot shows all")
     parser.add_argument("--tag", default="", help="suffix of the result files (decode<TAG>.jsonl / .png)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    add_logits_config_argument(parser)
     args = parser.parse_args(argv)
+    logits_configs = apply_logits_config(args.logits_config)
     if not torch.cuda.is_available():
         parser.exit(2, "decode.py (sparsecompile bench) measures GPU decode against the HBM roofline: it needs a CUDA "
                        "device, and this machine has none\n")
@@ -416,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
 
     out.write(json.dumps({"bandwidth": bw, "weight_bytes": wbytes, "torch": torch.__version__,
-                          "gpu": torch.cuda.get_device_name()}) + "\n")
+                          "gpu": torch.cuda.get_device_name(), "logits_configs": logits_configs}) + "\n")
     profiled = {tuple(int(x) for x in p.split("x")) for p in args.profile.split(",") if p}
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",") if p] or GRIDS[args.grid]
     for method in methods:

@@ -178,20 +178,22 @@ def _decode_configs(sweep: bool) -> list:
 
 def _logits_configs(sweep: bool) -> tuple:
     """The decode attention that also writes its logits (H2O's update reads them): the default launch and, with
-    ``sweep``, tiles / warps / stages / split targets and the store as the tile or a row at a time (the logits' stores
-    cost 13 us a layer at 32K x 16 on the H200, a third of the attention: ``results/profile_h2o_32k_b16_logits.txt``;
-    compiled for sm_90 they add a layout conversion of the tile a loop step: ``sessions/sm90_attention_ir.py``)."""
+    ``sweep``, tiles / warps / stages / split targets (the logits' stores cost 13 us a layer at 32K x 16 on the H200
+    with the plain attention's launch, ``results/profile_h2o_32k_b16_logits.txt``; compiled for sm_90 they add a
+    layout conversion of the tile a loop step, ``sessions/sm90_attention_ir.py``; the sweep of 2026-12-04 set
+    ``DECODE_LOGITS_CONFIGS``, ``results/kernels_mass_decode_logits_sweep_h200.jsonl``)."""
     if not sweep:
         return (None,)
-    return (None,) + tuple({"block_n": bn, "num_warps": w, "num_stages": st, "target_programs": tp, "logits_by_row": r}
-                           for bn in (32, 64, 128) for w in (2, 4) for st in (2, 3) for tp in (264, 528)
-                           for r in (False, True))
+    return (None,) + tuple({"block_n": bn, "num_warps": w, "num_stages": st, "target_programs": tp}
+                           for bn in (32, 64, 128) for w in (2, 4) for st in (2, 3) for tp in (264, 528))
 
 
 def mass_decode_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dict]:
     """Only H2O's decode update (``kernels.py --only mass_decode``: #14's bandwidth target, 70 %), at batch 64 and at
     the engine's 32K x 16 point (batch 16, the 2,048-token budget)."""
-    rows = _guarded("h2o decode", _h2o_decode, copies, iters, _decode_configs(sweep), 64, 2048, _logits_configs(sweep))
+    # the key pass (h2o_accumulate_lse) is off decode's path since the update reads the attention's logits: its
+    # default launch only, the sweep is over the attention that stores them
+    rows = _guarded("h2o decode", _h2o_decode, copies, iters, [None], 64, 2048, _logits_configs(sweep))
     return rows + _guarded("h2o decode b16", _h2o_decode, copies, iters, [None], 16, 2048, _logits_configs(sweep))
 
 

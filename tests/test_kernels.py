@@ -143,19 +143,17 @@ def test_triton_paged_attention_matches_reference(block_size, entries, queries, 
         torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(token_max, token_max_reference(query, k, index, lengths, block_size),
                                    atol=1e-5, rtol=1e-5)
-        # the logits variant (H2O's decode scoring reads it), -inf where unseen and past every list; stored as the
-        # tile or a row at a time
+        # the logits variant (H2O's decode scoring reads it; its own launch config), -inf where unseen and past
+        # every list
         want_logits = decode_logits_reference(query, k, pos, index, lengths, qpos, block_size, 1 / math.sqrt(DIM),
                                               window)
         finite = ~want_logits.isneginf()
-        for by_row in (False, True):
-            got, lse, logits = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size,
-                                                      1 / math.sqrt(DIM), window, with_logits=True,
-                                                      config={"logits_by_row": by_row})
-            torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
-            assert torch.equal(logits.isneginf(), want_logits.isneginf()), by_row
-            torch.testing.assert_close(logits[finite], want_logits[finite], atol=1e-5, rtol=1e-5)
+        got, lse, logits = paged_attention_triton(query, k, v, pos, index, lengths, qpos, block_size,
+                                                  1 / math.sqrt(DIM), window, with_logits=True)
+        torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
+        assert torch.equal(logits.isneginf(), want_logits.isneginf())
+        torch.testing.assert_close(logits[finite], want_logits[finite], atol=1e-5, rtol=1e-5)
 
 
 def _opchecked_attention(op, seed: int) -> tuple[tuple, torch.Tensor]:

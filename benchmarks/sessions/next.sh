@@ -288,7 +288,8 @@ user_points)  # #14 at the points not measured through generate() yet (32K x 16,
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
   # time one generate() pair)
   timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
-    ${NEW:+--new-tokens $NEW} --out "$OUT" --tag _h200_points_${POINT:-32768x16} > "$OUT/user_points.log" 2>&1
+    ${NEW:+--new-tokens $NEW} ${LOGITS:+--logits-config "$LOGITS"} --out "$OUT" --tag _h200_points_${POINT:-32768x16} \
+    > "$OUT/user_points.log" 2>&1
   echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores
   # separately vs fused, 48 configs, ~1 min), then the omnikv_fused stage below when it wins
@@ -402,18 +403,35 @@ kivi_kernel)  # #20: the KIVI decode kernel: GPU tests at real sizes, the config
     --out /tmp > "$OUT/kivi_ncu.txt" 2>&1; echo "ncu rc=$?" ;;
 logits_sweep)  # #14: the decode attention with H2O's logits' stores (53.8 us a layer at 32K x 16 against 40.7 without:
   # 0.42 ms of h2o's 1.0 ms a step over snapkv): the mass GPU tests (the row-at-a-time store included), then 49 launch
-  # configs (tile or row stores) at batch 64 and 16 (~4-5 min); a winner goes in as paged_attention's logits config
-  # (like DECODE_TOKEN_MAX_CONFIG), then decode.py 32768x16 snapkv,h2o
+  # configs (tile or row stores) at batch 64 and 16 (~3 min); each regime's fastest goes to logits_config.json and
+  # decode.py 32768x16 snapkv,h2o runs with it (--logits-config; then LOGITS=<that JSON> user_points)
   timeout -s INT 120 $P tests/gpu/test_mass_cuda.py > "$OUT/gpu_tests_mass_rows.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_mass_rows.log" | tail -4
   timeout -s INT 300 python3 benchmarks/kernel_bench.py --only mass_decode --sweep --quick --out "$OUT" \
     > "$OUT/mass_decode_sweep.log" 2>&1
   echo "rc=$?"; python3 -c "import json
 rows = [json.loads(l) for l in open('$OUT/kernels_mass_decode.jsonl')]
-for b in (64, 16):
+best = {}
+for b, regime in ((64, 'long'), (16, 'short')):
     att = [r for r in rows if r.get('batch') == b and r['kernel'].startswith('paged_attention') and 'us' in r]
     for r in att[:2]: print(b, r['kernel'], round(r['us'], 1), r.get('config'))
-    for r in sorted(att[2:], key=lambda r: r['us'])[:5]: print(b, 'best', round(r['us'], 1), r.get('config'))" ;;
+    swept = sorted(att[2:], key=lambda r: r['us'])
+    for r in swept[:5]: print(b, 'best', round(r['us'], 1), r.get('config'))
+    if swept and isinstance(swept[0]['config'], dict) and swept[0]['us'] < 0.97 * att[1]['us']:
+        best[regime] = swept[0]['config']
+json.dump(best, open('$OUT/logits_config.json', 'w')); print('LOGITS=' + json.dumps(best))"
+  timeout -s INT 200 python3 benchmarks/decode.py --points 32768x16 --methods snapkv,h2o --no-hf --max-batch "" \
+    --prefill "" --profile 32768x16 --logits-config "$(cat "$OUT/logits_config.json")" --out "$OUT" \
+    --tag _h200_h2o_logits_cfg > "$OUT/h2o_logits_cfg.log" 2>&1
+  echo "rc=$?"; grep -E '"method"' "$OUT/h2o_logits_cfg.log" | cut -c1-200
+  grep -h "_accumulate_logits_kernel\|_paged_attention_kernel\|_evict_lowest" "$OUT"/profile_*_32k_b16.txt | cut -c1-60,150-230 ;;
+logits_verify)  # #14: after the logits configs went in (DECODE_LOGITS_CONFIGS): the mass / eviction GPU tests with them,
+  # then 128K x 4 through generate() for vanilla and quest (quest >= 3.0x vanilla; the bisection's top-k) (~9 min)
+  timeout -s INT 170 $P tests/gpu/test_mass_cuda.py tests/gpu/test_eviction_cuda.py > "$OUT/gpu_tests_logits_cfg.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_logits_cfg.log" | tail -4
+  timeout -s INT 370 python3 benchmarks/user_path.py --methods vanilla,quest --points 131072x4 --out "$OUT" \
+    --tag _h200_points_131072x4 > "$OUT/user_points.log" 2>&1
+  echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 h2o_b16)  # #14: after h2o_logits (decode.py's pool short of the held pages at 32K x 16: fixed): the top-k select's
   # bisection (GPU tests, kernel rows), the 32K x 16 engine steps profiled, the engine GPU tests after the page change
   timeout -s INT 90 $P tests/gpu/test_selection_cuda.py -k topk > "$OUT/gpu_tests_topk_bisect.log" 2>&1

@@ -32,12 +32,11 @@ NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 
 
 def compile_sm90(variant: str, block_n: int, warps: int, stages: int, splits: int = 5):
-    """The Llama-3.1-8B decode launch (8 KV heads, group 4, head_dim 128, page 16) for sm_90; ``variant``: plain,
-    logits (stored as the tile) or rows (stored a row at a time)."""
+    """The Llama-3.1-8B decode launch (8 KV heads, group 4, head_dim 128, page 16) for sm_90; ``variant``: plain or
+    logits."""
     logits = variant != "plain"
     constants = dict(KV_HEADS=8, GROUP=4, PAGE=16, BLOCK=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=block_n,
-                     NUM_SPLITS=splits, IEEE=False, WRITE_LSE=logits, WRITE_MAX=False, WRITE_LOGITS=logits,
-                     LOGITS_BY_ROW=variant == "rows")
+                     NUM_SPLITS=splits, IEEE=False, WRITE_LSE=logits, WRITE_MAX=False, WRITE_LOGITS=logits)
     signature = {**POINTERS, **{n: "i32" for n in KERNEL.arg_names if n.startswith("stride_")}, **SCALARS,
                  **{name: "constexpr" for name in constants}}
     source = ASTSource(KERNEL, signature, constexprs={(KERNEL.arg_names.index(n),): v for n, v in constants.items()})
@@ -62,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     print("block_n warps stages variant reg/stack shared  convert_layout  st.global")
     for block_n, warps, stages in ((64, 4, 3), (128, 4, 3), (64, 4, 2), (32, 4, 3), (64, 2, 3)):
-        for name in ("plain", "logits", "rows"):
+        for name in ("plain", "logits"):
             compiled = compile_sm90(name, block_n, warps, stages)
             ttgir = compiled.asm["ttgir"]
             print(f"{block_n:7d} {warps:5d} {stages:6d} {name:7s} {registers(compiled.asm['cubin']):>9s} "

@@ -77,15 +77,15 @@ if triton is not None:
                                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                                 IEEE: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_MAX: tl.constexpr,
-                                WRITE_LOGITS: tl.constexpr, LOGITS_BY_ROW: tl.constexpr = False):
+                                WRITE_LOGITS: tl.constexpr):
         """One program: BLOCK_M (query, group head) rows of one (sequence, kv_head) over one split of its slots.
 
         With NUM_SPLITS > 1 (decode, split-KV) it writes a partial output and its log-sum-exp for
         :func:`_combine_kernel`; otherwise the final output. ``WRITE_MAX`` (one row block, so no two programs
         write one entry): per view position, the largest raw logit of the block's rows, ``-inf`` past the list.
-        ``WRITE_LOGITS`` (one query): every row's scaled, masked logits per view position, ``-inf`` past the list;
-        ``LOGITS_BY_ROW`` stores them a row at a time (a reduction picks each group head's row out of the MMA tile),
-        not as the [BLOCK_M, BLOCK_N] tile, whose store converts the whole tile's layout through shared memory.
+        ``WRITE_LOGITS`` (one query): every row's scaled, masked logits per view position, ``-inf`` past the list
+        (stored as the [BLOCK_M, BLOCK_N] tile: a row at a time, a reduction per group head, measured slower on the
+        H200 at every swept launch, 2026-12-04).
         """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -124,15 +124,7 @@ if triton is not None:
             s = tl.where(jmask[None, :] & visible(kpos, qpos, window), s, float("-inf"))
             if WRITE_LOGITS:  # [batch, q_heads, span]: qh is the row's q head (one query per sequence)
                 j = start + tl.arange(0, BLOCK_N)
-                if LOGITS_BY_ROW:
-                    for r in tl.static_range(BLOCK_M):
-                        if r < GROUP:  # one query: the block's rows past the group hold nothing
-                            row = pid_m * BLOCK_M + r
-                            s_row = tl.sum(tl.where((rows == row)[:, None], s, 0.0), 0)
-                            tl.store(LOGITS + (b * (KV_HEADS * GROUP) + h * GROUP + row).to(tl.int64) * span + j,
-                                     s_row, mask=jmask & (j * 0 + row < GROUP))  # (a tensor mask: the interpreter)
-                else:
-                    tl.store(logits + j[None, :], s, mask=row_ok[:, None] & jmask[None, :])
+                tl.store(logits + j[None, :], s, mask=row_ok[:, None] & jmask[None, :])
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
@@ -203,6 +195,14 @@ PREFILL_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "target_progra
 # x 4: 644 us against 821 with DECODE_LONG_CONFIG, and against 524 + 257 for the attention and a separate score pass
 # (results/token_max_ab_h200.jsonl, 48 configs).
 DECODE_TOKEN_MAX_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "target_programs": 528}
+# Decode that also stores its logits (H2O's update reads them), per work regime: overrides of the long / short config
+# above. The fp32 tile's stores need its layout converted out of the MMA's a loop step, which 64-slot tiles on 2 warps
+# absorb best: at batch 16 x 2,048 slots 49.6 us against 59.0 with the short config (47.1 without the stores), at batch
+# 64 145.2 against 150.4 (137.9) (H200, 48 configs, results/kernels_mass_decode_logits_sweep_h200.jsonl).
+DECODE_LOGITS_CONFIGS: dict[str, dict] = {
+    "long": {"block_n": 64, "num_warps": 2, "num_stages": 3, "target_programs": 264},
+    "short": {"block_n": 64, "num_warps": 2, "num_stages": 2, "target_programs": 264},
+}
 
 
 def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.Tensor,
@@ -228,8 +228,11 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     m_blocks = triton.cdiv(queries * group, block_m)
     span = index.shape[2] * block_size
     if block_m == 16:
-        base = DECODE_LONG_CONFIG if batch * kv_heads * span >= 1 << 20 else DECODE_SHORT_CONFIG
-        base = DECODE_TOKEN_MAX_CONFIG if with_token_max and base is DECODE_LONG_CONFIG else base
+        long_work = batch * kv_heads * span >= 1 << 20
+        base = DECODE_LONG_CONFIG if long_work else DECODE_SHORT_CONFIG
+        base = DECODE_TOKEN_MAX_CONFIG if with_token_max and long_work else base
+        if with_logits:
+            base = {**base, **DECODE_LOGITS_CONFIGS["long" if long_work else "short"]}
     else:
         base = PREFILL_CONFIG
     cfg = {**base, **(config or {})}
@@ -263,8 +266,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
         WRITE_LSE=with_lse, WRITE_MAX=with_token_max, WRITE_LOGITS=with_logits,
-        LOGITS_BY_ROW=cfg.get("logits_by_row", False), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
