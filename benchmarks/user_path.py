@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                         "program (sparsecompile.warmup(programs=True)), which it then loads instead of tracing")
     parser.add_argument("--child-timeout", type=int, default=300)
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--tag", default="_h200")
+    parser.add_argument("--tag", default="_h200_run", help="suffix of user_path<TAG>.jsonl (appended to; "
+                        "user_path_collect.py merges runs into user_path_h200.jsonl)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_logits_config_argument(parser)

@@ -39,6 +39,13 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
+# h2o 2,408.5 vs snapkv 2,678.7 engine = 0.899x), user_points 32768x16 snapkv,h2o with it (0.947x through generate()),
+# logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
+# quest and omnikv at 128K x 4 alone (469.2 = 2.50x, 437.8 = 2.33x; ratios 0.987 / 0.978 / 0.986).
+# Next: user_points 131072x4 for snapkv,h2o then streamingllm,pyramidkv (the last unmeasured point), 32768x16
+# streamingllm (0.935 with 257 tokens; N is 1025 now), test_export_cuda alone. After each user_points call, add its
+# file to results/user_path_h200_sources.txt and rerun user_path_collect.py (README table).
 # 2026-12-03 eighth session: h2o_logits (GPU tests 15 + 8 mixed passed; update 15.6 us vs 87.9 at batch 64; the 32K x 16
 # point ran out of pages: decode.py's pool now holds the held pages), h2o_b16 (topk bisect 18.6 vs 21.1 us, 12 tests;
 # h2o 2,274.3 vs snapkv 2,637.9 = 0.862x engine; attention with the logits' stores 53.8 us a layer vs 40.7; engine
