@@ -377,11 +377,30 @@ def plot(points: list[Point], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def add_logits_config_argument(parser: argparse.ArgumentParser) -> None:
-    """``--logits-config``: an A/B of the decode attention's launch when it stores its logits (H2O), without editing
-    the kernel module: JSON ``{"short": {...}, "long": {...}}`` merged into ``DECODE_LOGITS_CONFIGS``."""
+def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Kernel choices to A/B without editing the kernel modules: ``--logits-config`` (the decode attention's launch
+    when it stores its logits, H2O: JSON ``{"short": {...}, "long": {...}}`` merged into ``DECODE_LOGITS_CONFIGS``)
+    and ``--topk-long-search``."""
     parser.add_argument("--logits-config", default="", help='JSON {"short": {...}, "long": {...}}: launch overrides '
                         "of the decode attention that stores its logits (kernel_bench.py --only mass_decode --sweep)")
+    parser.add_argument("--topk-long-search", default=None, help="top-k select of rows past one program's tile "
+                        "(OmniKV's prompt-long rows): torch or radix")
+
+
+def apply_topk_long_search(name: str | None) -> str:
+    """``--topk-long-search``: which select OmniKV's prompt-long rows use (``topk_select.LONG_SEARCH``)."""
+    module = importlib.import_module("sparsecompile.kernels.topk_select")
+    if name:
+        if name not in module.LONG_SEARCHES:
+            raise SystemExit(f"--topk-long-search is one of {module.LONG_SEARCHES}, got {name!r}")
+        module.LONG_SEARCH = name
+    return module.LONG_SEARCH
+
+
+def apply_kernel_arguments(args: argparse.Namespace) -> dict:
+    """Apply :func:`add_kernel_arguments`' options; returns the choices in force (for the results' header)."""
+    return {"logits_configs": apply_logits_config(args.logits_config),
+            "topk_long_search": apply_topk_long_search(args.topk_long_search)}
 
 
 def apply_logits_config(text: str) -> dict:
@@ -415,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="add to decode<TAG>.jsonl (one grid split over several invocations); the plot shows all")
     parser.add_argument("--tag", default="", help="suffix of the result files (decode<TAG>.jsonl / .png)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    add_logits_config_argument(parser)
+    add_kernel_arguments(parser)
     args = parser.parse_args(argv)
-    logits_configs = apply_logits_config(args.logits_config)
+    kernels = apply_kernel_arguments(args)
     if not torch.cuda.is_available():
         parser.exit(2, "decode.py (sparsecompile bench) measures GPU decode against the HBM roofline: it needs a CUDA "
                        "device, and this machine has none\n")
@@ -438,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
 
     out.write(json.dumps({"bandwidth": bw, "weight_bytes": wbytes, "torch": torch.__version__,
-                          "gpu": torch.cuda.get_device_name(), "logits_configs": logits_configs}) + "\n")
+                          "gpu": torch.cuda.get_device_name(), **kernels}) + "\n")
     profiled = {tuple(int(x) for x in p.split("x")) for p in args.profile.split(",") if p}
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",") if p] or GRIDS[args.grid]
     for method in methods:

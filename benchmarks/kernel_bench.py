@@ -107,9 +107,13 @@ def op_rows(copies: int = 3) -> list[dict]:
     del sets
     for shape, k in (((batch, KV_HEADS, pages), 2048 // PAGE), ((batch, 1, context + 164), 2048)):
         sets = [(torch.randn(*shape, device="cuda"), torch.full(shape[:2], k, device="cuda")) for _ in range(copies)]
-        for search in ("bisect", "bit", "byte") if shape[2] <= 16384 else ("bisect",):  # longer rows: torch path
-            rows.append(_op_row("topk_select" + ("" if search == "bisect" else f" {search}"), sets,
-                                lambda s, c, k=k, search=search: topk_select_triton(s, c, k, search=search),
+        if shape[2] <= 16384:
+            variants = [("topk_select" + ("" if search == "bisect" else f" {search}"), {"search": search})
+                        for search in ("bisect", "bit", "byte")]
+        else:  # longer rows: the torch path against the radix select
+            variants = [(f"topk_select long {long}", {"long_search": long}) for long in ("torch", "radix")]
+        for name, options in variants:
+            rows.append(_op_row(name, sets, lambda s, c, k=k, options=options: topk_select_triton(s, c, k, **options),
                                 shape[0] * shape[1] * shape[2] * 4 / 1e6, shape=list(shape), k=k))
     # OmniKV's filter layer: dense decode attention, then its score pass over the same keys.
     sets, info = decode_inputs(batch, context, None, PAGE, copies=2)

@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import (  # noqa: E402
     METHOD_OPTIONS,
-    add_logits_config_argument,
-    apply_logits_config,
+    add_kernel_arguments,
+    apply_kernel_arguments,
     build_model,
     engine_point,
     weight_bytes,
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                         "user_path_collect.py merges runs into user_path_h200.jsonl)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    add_logits_config_argument(parser)
+    add_kernel_arguments(parser)
     args = parser.parse_args(argv)
-    logits_configs = apply_logits_config(args.logits_config)
+    kernels = apply_kernel_arguments(args)
     if not torch.cuda.is_available():
         parser.exit(2, "user_path.py measures GPU decode through generate(): it needs a CUDA device\n")
     if args.child:
@@ -203,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             row["allocated_after_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             row["reserved_after_GiB"] = round(torch.cuda.memory_reserved() / 2**30, 2)
-            if args.logits_config:
-                row["logits_configs"] = logits_configs
+            row.update(kernels)
             rows.append(row)
             with open(path, "a") as handle:
                 handle.write(json.dumps(row) + "\n")

@@ -220,6 +220,24 @@ def test_long_row_topk_select_matches_reference(n, k, levels):
 
 
 @triton_only
+@pytest.mark.parametrize("n,k,chunk,levels", [(300, 40, 64, 40), (70, 16, 16, 2), (9, 12, 16, None)])
+def test_radix_topk_select_matches_reference(n, k, chunk, levels):
+    """The many-program select for long rows (radix passes with atomic histograms, then ordered per-chunk writes):
+    same kept set, order, tie rule and padding; ties spread over several chunks (40 levels), the count inside one
+    of two levels, a row shorter than the width."""
+    from sparsecompile.kernels.topk_select import topk_select_radix
+
+    scores = _topk_case(n, n + 2)
+    if levels is not None:
+        scores = torch.randint(0, levels, scores.shape, generator=torch.Generator().manual_seed(n)).float()
+    scores[1, 0, : n // 2] = float("-inf")
+    scores[0, 2, 3] = float("inf")
+    counts = torch.tensor([[0, 3, k], [n, k + 4, 2]])
+    got = topk_select_radix(scores.to(DEVICE), counts.to(DEVICE), k, chunk=chunk)
+    assert torch.equal(got.cpu(), topk_select_reference(scores, counts, k))
+
+
+@triton_only
 @pytest.mark.parametrize("kv_heads,tokens", [(2, 1), (3, 1), (2, 3)])
 def test_triton_kv_write_bounds_matches_reference(kv_heads, tokens):
     """One key per sequence (the fused decode kernel): a page's first slot resets its bounds, later slots fold in,

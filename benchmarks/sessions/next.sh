@@ -43,7 +43,9 @@
 # h2o 2,408.5 vs snapkv 2,678.7 engine = 0.899x), user_points 32768x16 snapkv,h2o with it (0.947x through generate()),
 # logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
 # quest and omnikv at 128K x 4 alone (469.2 = 2.50x, 437.8 = 2.33x; ratios 0.987 / 0.978 / 0.986).
-# Next: user_points 131072x4 for snapkv,h2o then streamingllm,pyramidkv (the last unmeasured point), 32768x16
+# Then (CPU) topk_select_radix: OmniKV's long rows over many programs (CPU-tested; LONG_SEARCH stays "torch").
+# Next: topk_radix (GPU tests + kernel rows + omnikv 128K x 4 with each select), user_points 131072x4 for snapkv,h2o
+# then streamingllm,pyramidkv (the last unmeasured point), 32768x16
 # streamingllm (0.935 with 257 tokens; N is 1025 now), test_export_cuda alone. After each user_points call, add its
 # file to results/user_path_h200_sources.txt and rerun user_path_collect.py (README table).
 # 2026-12-03 eighth session: h2o_logits (GPU tests 15 + 8 mixed passed; update 15.6 us vs 87.9 at batch 64; the 32K x 16
@@ -432,6 +434,20 @@ json.dump(best, open('$OUT/logits_config.json', 'w')); print('LOGITS=' + json.du
     --tag _h200_h2o_logits_cfg > "$OUT/h2o_logits_cfg.log" 2>&1
   echo "rc=$?"; grep -E '"method"' "$OUT/h2o_logits_cfg.log" | cut -c1-200
   grep -h "_accumulate_logits_kernel\|_paged_attention_kernel\|_evict_lowest" "$OUT"/profile_*_32k_b16.txt | cut -c1-60,150-230 ;;
+topk_radix)  # #14: OmniKV's prompt-long rows through the radix select (many programs; the torch path's topk, sort,
+  # scans and scatter were ~0.35-0.46 ms of omnikv's 9.05 ms step at 128K x 4): GPU tests, kernel rows, then the
+  # 128K x 4 engine step with each select (~6 min); if radix wins, set topk_select.LONG_SEARCH = "radix"
+  timeout -s INT 150 $P tests/gpu/test_selection_cuda.py -k "topk" > "$OUT/gpu_tests_topk_radix.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_topk_radix.log" | tail -4
+  timeout -s INT 90 python3 benchmarks/kernel_bench.py --only ops --quick --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  echo "rc=$?"; grep -E "^topk" "$OUT/kernels_ops.log" | cut -c1-150
+  for long in torch radix; do
+    timeout -s INT 170 python3 benchmarks/decode.py --points 131072x4 --methods omnikv --no-hf --max-batch "" \
+      --prefill "" --profile 131072x4 --topk-long-search $long --out "$OUT" --tag _h200_topk_$long \
+      > "$OUT/topk_$long.log" 2>&1
+    echo "$long rc=$?"; grep -E '"method"' "$OUT/topk_$long.log" | cut -c1-200
+    mv "$OUT/profile_omnikv_128k_b4.txt" "$OUT/profile_omnikv_128k_b4_topk_$long.txt" 2>/dev/null
+  done ;;
 logits_verify)  # #14: after the logits configs went in (DECODE_LOGITS_CONFIGS): the mass / eviction GPU tests with them,
   # then 128K x 4 through generate() for vanilla and quest (quest >= 3.0x vanilla; the bisection's top-k) (~9 min)
   timeout -s INT 170 $P tests/gpu/test_mass_cuda.py tests/gpu/test_eviction_cuda.py > "$OUT/gpu_tests_logits_cfg.log" 2>&1

@@ -24,7 +24,9 @@ stops once exactly ``count`` keys lie at or above the midpoint, about log2(range
 passes instead of 32: 18.6 us against ``"bit"``'s 21.1 in the same H200 run, 32 rows of 8,208 Gaussian scores
 (``results/kernels_ops_h200_bisect.jsonl``).
 Longer rows (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over
-many blocks, and the same tie rule and prefix-sum placement in torch ops.
+many blocks, and the same tie rule and prefix-sum placement in torch ops; or (``LONG_SEARCH = "radix"``, CPU-tested,
+not yet timed on the H200) :func:`topk_select_radix`: four 8-bit radix passes whose chunks add their histograms with
+atomics, then per-chunk counts and ordered writes, all over ``rows x chunks`` programs.
 """
 
 from __future__ import annotations
@@ -211,7 +213,88 @@ if triton is not None:
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
 
 
+    @triton.jit
+    def _radix_prefix(HIST, r, rows, count, PASSES: tl.constexpr):
+        """The threshold's top ``8 * PASSES`` bits of row ``r`` from the histograms of the passes so far
+        (``HIST [4, rows, 256]``: pass p counts, among the keys that share the first p digits, each value of digit
+        p), and how many keys lie above every key with those bits: the rule of :func:`_threshold_8bit`."""
+        thr = tl.zeros([], dtype=tl.uint32)
+        greater = tl.zeros([], dtype=tl.int32)
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(PASSES):
+            hist = tl.load(HIST + (p * rows + r) * 256 + bins)
+            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+            d = tl.maximum(tl.sum((greater + at_or_above >= count).to(tl.int32), 0) - 1, 0)
+            greater += tl.sum(tl.where(bins > d, hist, 0), 0)
+            thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
+        return thr, greater
+
+    @triton.jit
+    def _radix_chunk(S, C, r, chunk, stride_sr, stride_c, n, k_out, CHUNK: tl.constexpr):
+        """A program's chunk of row ``r``: offsets, validity, order keys, and the row's clamped count."""
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = offs < n
+        key = _order_key(tl.load(S + r * stride_sr + offs, mask=valid, other=0.0).to(tl.float32))
+        count = tl.load(C + r * stride_c).to(tl.int32)
+        return offs, valid, key, tl.minimum(tl.maximum(count, 0), tl.minimum(k_out, n))
+
+    @triton.jit
+    def _radix_hist_kernel(S, C, HIST, stride_sr, stride_c, rows, n, k_out, PASS: tl.constexpr,
+                           CHUNK: tl.constexpr):
+        # grid (rows, chunks): this chunk's histogram of digit PASS among the keys that share the digits found by
+        # the earlier passes (every program re-derives them from the earlier histograms: 256 entries a pass)
+        r = tl.program_id(0)
+        offs, valid, key, count = _radix_chunk(S, C, r, tl.program_id(1), stride_sr, stride_c, n, k_out, CHUNK)
+        live = valid
+        if PASS > 0:
+            prefix, _ = _radix_prefix(HIST, r, rows, count, PASS)
+            live = live & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+        digit = tl.where(live, ((key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32), 256)  # the rest: bin 256
+        bins = tl.arange(0, 512)
+        hist = tl.histogram(digit, 512)
+        tl.atomic_add(HIST + (PASS * rows + r) * 256 + bins, hist, mask=bins < 256)
+
+    @triton.jit
+    def _radix_count_kernel(S, C, HIST, TILES, stride_sr, stride_c, rows, n, k_out, CHUNK: tl.constexpr):
+        # grid (rows, chunks): keys above the threshold and equal to it in this chunk -> TILES [rows, chunks, 2]
+        r = tl.program_id(0)
+        chunk = tl.program_id(1)
+        offs, valid, key, count = _radix_chunk(S, C, r, chunk, stride_sr, stride_c, n, k_out, CHUNK)
+        thr, _ = _radix_prefix(HIST, r, rows, count, 4)
+        tile = TILES + (r * tl.num_programs(1) + chunk) * 2
+        tl.store(tile, tl.sum((valid & (key > thr)).to(tl.int32), 0))
+        tl.store(tile + 1, tl.sum((valid & (key == thr)).to(tl.int32), 0))
+
+    @triton.jit
+    def _radix_write_kernel(S, C, HIST, TILES, OUT, stride_sr, stride_c, stride_or, rows, n, k_out,
+                            CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+        # grid (rows, chunks): this chunk's winners at their ascending positions (the earlier chunks' counts give
+        # the offset and how many ties they took), then its share of the -1 padding past the count
+        r = tl.program_id(0)
+        chunk = tl.program_id(1)
+        chunks = tl.num_programs(1)
+        offs, valid, key, count = _radix_chunk(S, C, r, chunk, stride_sr, stride_c, n, k_out, CHUNK)
+        thr, greater = _radix_prefix(HIST, r, rows, count, 4)
+        ties = count - greater  # keys equal to the threshold to take, lowest index first
+        earlier = tl.arange(0, CHUNKS_P2)
+        before = earlier < chunk
+        tiles = TILES + (r * chunks + earlier) * 2
+        above_before = tl.sum(tl.load(tiles, mask=before, other=0), 0)
+        equal_before = tl.sum(tl.load(tiles + 1, mask=before, other=0), 0)
+        take, _ = _take(key, valid, thr, ties, equal_before, count)
+        start = above_before + tl.minimum(equal_before, ties)
+        out = OUT + r * stride_or
+        tl.store(out + start + tl.cumsum(take, 0) - take, offs.to(tl.int64), mask=take > 0)
+        for base in range(chunk * CHUNK, k_out, chunks * CHUNK):
+            idx = base + tl.arange(0, CHUNK)
+            tl.store(out + idx, tl.full([CHUNK], -1, tl.int64), mask=(idx < k_out) & (idx >= count))
+
+
 SEARCHES = ("bisect", "bit", "byte")  # the kernel's SEARCH constexpr is the index
+LONG_SEARCHES = ("torch", "radix")
+# Rows past the one-program tile: the torch path until the radix select is timed on the H200 (kernel_bench.py --only
+# ops, decode.py --topk-long-search radix at 128K x 4).
+LONG_SEARCH = "torch"
 
 
 def _tiles(n: int, search: str) -> tuple[int, int]:
@@ -225,20 +308,54 @@ def _tiles(n: int, search: str) -> tuple[int, int]:
     return main, max(16, triton.next_power_of_2(n - main))
 
 
+def topk_select_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
+    """Long rows over many programs, with the semantics of :func:`topk_select_reference`: four 8-bit radix passes
+    find each row's ``count``-th largest key (a pass: every ``chunk`` of a row adds its digit histogram into the
+    row's with atomics), a count pass gives each chunk's entries above and at the threshold, and a write pass
+    places each chunk's winners after the earlier chunks' (ties lowest index first). Six launches and a zeroed
+    histogram, each over ``rows x n / chunk`` programs, where ``torch.topk``'s path takes about a dozen kernels and
+    a sort of the top values."""
+    batch, heads, n = scores.shape
+    rows = batch * heads
+    s = scores.reshape(rows, n)
+    if s.stride(1) != 1:
+        s = s.contiguous()
+    c = counts.reshape(rows)
+    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    if rows == 0 or k == 0:
+        return out.view(batch, heads, k)
+    chunks = triton.cdiv(n, chunk)
+    hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=scores.device)
+    tiles = torch.empty(rows, chunks, 2, dtype=torch.int32, device=scores.device)
+    grid = (rows, chunks)
+    for p in range(4):
+        _radix_hist_kernel[grid](s, c, hist, s.stride(0), c.stride(0), rows, n, k, PASS=p, CHUNK=chunk)
+    _radix_count_kernel[grid](s, c, hist, tiles, s.stride(0), c.stride(0), rows, n, k, CHUNK=chunk)
+    _radix_write_kernel[grid](s, c, hist, tiles, out, s.stride(0), c.stride(0), out.stride(0), rows, n, k,
+                              CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)))
+    return out.view(batch, heads, k)
+
+
 def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_tile: int = 16384,
-                       search: str = "bisect", num_warps: int | None = None) -> torch.Tensor:
+                       search: str = "bisect", num_warps: int | None = None,
+                       long_search: str | None = None) -> torch.Tensor:
     """CUDA implementation with the semantics of :func:`topk_select_reference`.
 
     Rows of up to ``max_tile`` scores: the Triton select, one program per row; ``search`` picks how the threshold
     is found: ``"bisect"`` (the default), ``"bit"`` (32 one-bit radix passes) or ``"byte"`` (four 8-bit
-    histograms). Longer rows (OmniKV's prompt-long rows): :func:`_topk_select_long`, whose ``torch.topk`` spreads
-    a row over many blocks. ``num_warps``: the program's warps (None: 4, 8 or 16 by tile size; benchmarks sweep it).
+    histograms). Longer rows (OmniKV's prompt-long rows), by ``long_search`` (None: ``LONG_SEARCH``): ``"torch"``
+    :func:`_topk_select_long`, whose ``torch.topk`` spreads a row over many blocks, or ``"radix"``
+    :func:`topk_select_radix`. ``num_warps``: the program's warps (None: 4, 8 or 16 by
+    tile size; benchmarks sweep it).
     """
     if search not in SEARCHES:
         raise ValueError(f"search is one of {SEARCHES}, got {search!r}")
+    long_search = long_search or LONG_SEARCH
+    if long_search not in LONG_SEARCHES:
+        raise ValueError(f"long_search is one of {LONG_SEARCHES}, got {long_search!r}")
     batch, heads, n = scores.shape
     if n > max_tile:
-        return _topk_select_long(scores, counts, k)
+        return topk_select_radix(scores, counts, k) if long_search == "radix" else _topk_select_long(scores, counts, k)
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(batch, heads, k, dtype=torch.int64, device=scores.device)

@@ -68,6 +68,28 @@ def test_topk_select_triton_vs_reference(n, k, search):
                        topk_select_reference(scores, counts, k))
 
 
+@pytest.mark.parametrize("long_search", ["torch", "radix"])
+@pytest.mark.parametrize("n,k,chunk", [(131236, 2048, 4096), (40000, 512, 1024)])
+def test_long_row_topk_select_vs_reference(n, k, chunk, long_search):
+    """OmniKV's prompt-long rows (128K x 4: four rows of 131,236 scores, k 2,048), both long-row selects; ties
+    across chunks, -inf tails, a forced entry, counts below the width and zero."""
+    from sparsecompile.kernels import topk_select as module
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    scores = torch.randn(4, 2, n, device="cuda", generator=g)
+    scores[0, 0] = torch.randint(0, 50, (n,), device="cuda", generator=g).float()  # ties spread over every chunk
+    scores[1, :, -5000:] = float("-inf")
+    scores[2, 1, 7] = float("inf")
+    counts = torch.full((4, 2), k, device="cuda")
+    counts[3] = torch.tensor([0, k // 3])
+    want = module.topk_select_reference(scores, counts, k)
+    if long_search == "radix":
+        got = module.topk_select_radix(scores, counts, k, chunk=chunk)
+    else:
+        got = module.topk_select_triton(scores, counts, k, max_tile=16384, long_search="torch")
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("method,options,graphs", [
     ("quest", dict(budget=64, dense_layers=1, dense_below=0), 1),
     ("quest", dict(budget=64, dense_layers=1, dense_below=390), 2),  # 357 prompt tokens: dense, then selecting
