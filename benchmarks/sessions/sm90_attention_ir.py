@@ -6,7 +6,10 @@ layout conversions and global stores, with and without the logits' stores (H2O's
 Triton lowers and ``ptxas`` assembles without a device; only timing needs one. First use (2026-12-03, Triton 3.9
 here, 3.6 on the H200 image; 32K x 16's launch: BLOCK_N 64, 4 warps, 3 stages, 5 splits): the logits' variant adds a
 ``#mma -> #blocked`` conversion of the [16, BLOCK_N] fp32 logits tile inside the slot loop (through shared memory,
-a barrier a tile) and takes 234 registers a thread against 192; two programs an SM either way.
+a barrier a tile) and takes 234 registers a thread against 192; two programs an SM either way. 2026-12-04: the token
+max reduced in the kernel (OmniKV's filter layers, ``max``) adds one conversion (4 against 3) and spills 440 bytes a
+thread at 128-slot tiles (``DECODE_TOKEN_MAX_CONFIG``'s), none at 64; storing its raw tile instead and taking the max
+after (tried, not kept) spilled as much (456) with the logits' 12 conversions: no register relief to gain.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 
 
 def compile_sm90(variant: str, block_n: int, warps: int, stages: int, splits: int = 5):
-    """The Llama-3.1-8B decode launch (8 KV heads, group 4, head_dim 128, page 16) for sm_90; ``variant``: plain or
-    logits."""
-    logits = variant != "plain"
+    """The Llama-3.1-8B decode launch (8 KV heads, group 4, head_dim 128, page 16) for sm_90; ``variant``: plain,
+    logits (H2O's) or max (OmniKV's filter layers: the token max reduced in the kernel)."""
+    logits = variant == "logits"
     constants = dict(KV_HEADS=8, GROUP=4, PAGE=16, BLOCK=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=block_n,
-                     NUM_SPLITS=splits, IEEE=False, WRITE_LSE=logits, WRITE_MAX=False, WRITE_LOGITS=logits)
+                     NUM_SPLITS=splits, IEEE=False, WRITE_LSE=logits, WRITE_MAX=variant.startswith("max"),
+                     WRITE_LOGITS=logits)
     signature = {**POINTERS, **{n: "i32" for n in KERNEL.arg_names if n.startswith("stride_")}, **SCALARS,
                  **{name: "constexpr" for name in constants}}
     source = ASTSource(KERNEL, signature, constexprs={(KERNEL.arg_names.index(n),): v for n, v in constants.items()})
@@ -61,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     print("block_n warps stages variant reg/stack shared  convert_layout  st.global")
     for block_n, warps, stages in ((64, 4, 3), (128, 4, 3), (64, 4, 2), (32, 4, 3), (64, 2, 3)):
-        for name in ("plain", "logits"):
+        for name in ("plain", "logits", "max"):
             compiled = compile_sm90(name, block_n, warps, stages)
             ttgir = compiled.asm["ttgir"]
             print(f"{block_n:7d} {warps:5d} {stages:6d} {name:7s} {registers(compiled.asm['cubin']):>9s} "
