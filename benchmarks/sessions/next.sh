@@ -44,7 +44,8 @@
 # logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
 # quest and omnikv at 128K x 4 alone (469.2 = 2.50x, 437.8 = 2.33x; ratios 0.987 / 0.978 / 0.986).
 # Then (CPU) topk_select_radix: OmniKV's long rows over many programs (CPU-tested; LONG_SEARCH stays "torch").
-# Next: topk_radix (GPU tests + kernel rows + omnikv 128K x 4 with each select), user_points 131072x4 for snapkv,h2o
+# Next: topk_radix (GPU tests + kernel rows + omnikv 128K x 4 with each select), gemv (cuBLAS vs autotuned decode
+# projections; vanilla 32K x 1 with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM), user_points 131072x4 for snapkv,h2o
 # then streamingllm,pyramidkv (the last unmeasured point), 32768x16
 # streamingllm (0.935 with 257 tokens; N is 1025 now), test_export_cuda alone. After each user_points call, add its
 # file to results/user_path_h200_sources.txt and rerun user_path_collect.py (README table).
@@ -447,6 +448,17 @@ topk_radix)  # #14: OmniKV's prompt-long rows through the radix select (many pro
       > "$OUT/topk_$long.log" 2>&1
     echo "$long rc=$?"; grep -E '"method"' "$OUT/topk_$long.log" | cut -c1-200
     mv "$OUT/profile_omnikv_128k_b4.txt" "$OUT/profile_omnikv_128k_b4_topk_$long.txt" 2>/dev/null
+  done ;;
+gemv)  # #14 vanilla at 80 % of roofline (73.6 %): the decode projections, cuBLAS against inductor's GEMM autotuning
+  # (gemv_ab.py, ~3 min), then the 32K x 1 engine step without and with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 (~4 min)
+  timeout -s INT 280 python3 benchmarks/sessions/gemv_ab.py > "$OUT/gemv_ab_h200.jsonl" 2> "$OUT/gemv_ab.err"
+  echo "ab rc=$?"; tail -2 "$OUT/gemv_ab.err"; cut -c1-220 "$OUT/gemv_ab_h200.jsonl"
+  for tune in 0 1; do
+    TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=$tune timeout -s INT 150 python3 benchmarks/decode.py --points 32768x1 \
+      --methods vanilla --no-hf --max-batch "" --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_gemm_tune$tune \
+      > "$OUT/gemm_tune$tune.log" 2>&1
+    echo "tune=$tune rc=$?"; grep -E '"method"' "$OUT/gemm_tune$tune.log" | cut -c1-220
+    mv "$OUT/profile_vanilla_32k_b1.txt" "$OUT/profile_vanilla_32k_b1_gemm_tune$tune.txt" 2>/dev/null
   done ;;
 logits_verify)  # #14: after the logits configs went in (DECODE_LOGITS_CONFIGS): the mass / eviction GPU tests with them,
   # then 128K x 4 through generate() for vanilla and quest (quest >= 3.0x vanilla; the bisection's top-k) (~9 min)
