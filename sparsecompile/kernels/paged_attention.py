@@ -84,8 +84,8 @@ if triton is not None:
         :func:`_combine_kernel`; otherwise the final output. ``WRITE_MAX`` (one row block, so no two programs
         write one entry): per view position, the largest raw logit of the block's rows, ``-inf`` past the list.
         ``WRITE_LOGITS`` (one query): every row's scaled, masked logits per view position, ``-inf`` past the list
-        (stored as the [BLOCK_M, BLOCK_N] tile: a row at a time, a reduction per group head, measured slower on the
-        H200 at every swept launch, 2026-12-04).
+        (stored as the [BLOCK_M, BLOCK_N] tile; a row at a time, a reduction per group head, was never the fastest
+        of the 48 launches swept on the H200, 2026-12-04).
         """
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)

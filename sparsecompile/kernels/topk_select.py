@@ -212,7 +212,6 @@ if triton is not None:
             idx = start + offs
             tl.store(out + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx < k_out) & (idx >= written))
 
-
     @triton.jit
     def _radix_prefix(HIST, r, rows, count, PASSES: tl.constexpr):
         """The threshold's top ``8 * PASSES`` bits of row ``r`` from the histograms of the passes so far
@@ -345,8 +344,8 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
     is found: ``"bisect"`` (the default), ``"bit"`` (32 one-bit radix passes) or ``"byte"`` (four 8-bit
     histograms). Longer rows (OmniKV's prompt-long rows), by ``long_search`` (None: ``LONG_SEARCH``): ``"torch"``
     :func:`_topk_select_long`, whose ``torch.topk`` spreads a row over many blocks, or ``"radix"``
-    :func:`topk_select_radix`. ``num_warps``: the program's warps (None: 4, 8 or 16 by
-    tile size; benchmarks sweep it).
+    :func:`topk_select_radix`. ``num_warps``: the program's warps (None: 4, 8 or 16 by tile size; benchmarks sweep
+    it).
     """
     if search not in SEARCHES:
         raise ValueError(f"search is one of {SEARCHES}, got {search!r}")
