@@ -40,7 +40,7 @@ from sparsecompile.kernels.kv_write import kv_write_bounds_triton, kv_write_trit
 from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton  # noqa: E402
 from sparsecompile.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from sparsecompile.kernels.quest_scores import quest_page_scores_triton  # noqa: E402
-from sparsecompile.kernels.topk_select import topk_select_triton  # noqa: E402
+from sparsecompile.kernels.topk_select import topk_select_radix, topk_select_triton  # noqa: E402
 from sparsecompile.runtime.row_ops import table_width  # noqa: E402
 
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16
@@ -110,10 +110,12 @@ def op_rows(copies: int = 3) -> list[dict]:
         if shape[2] <= 16384:
             variants = [("topk_select" + ("" if search == "bisect" else f" {search}"), {"search": search})
                         for search in ("bisect", "bit", "byte")]
-        else:  # longer rows: the torch path against the radix select
-            variants = [(f"topk_select long {long}", {"long_search": long}) for long in ("torch", "radix")]
+        else:  # longer rows: the torch path against the radix select (and its chunk per program)
+            variants = [("topk_select long torch", {"long_search": "torch"})]
+            variants += [(f"topk_select long radix chunk {chunk}", {"chunk": chunk}) for chunk in (2048, 4096, 8192)]
         for name, options in variants:
-            rows.append(_op_row(name, sets, lambda s, c, k=k, options=options: topk_select_triton(s, c, k, **options),
+            select = topk_select_radix if "chunk" in options else topk_select_triton
+            rows.append(_op_row(name, sets, lambda s, c, k=k, f=select, options=options: f(s, c, k, **options),
                                 shape[0] * shape[1] * shape[2] * 4 / 1e6, shape=list(shape), k=k))
     # OmniKV's filter layer: dense decode attention, then its score pass over the same keys.
     sets, info = decode_inputs(batch, context, None, PAGE, copies=2)
