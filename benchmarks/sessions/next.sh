@@ -438,7 +438,7 @@ json.dump(best, open('$OUT/logits_config.json', 'w')); print('LOGITS=' + json.du
 topk_radix)  # #14: OmniKV's prompt-long rows through the radix select (many programs; the torch path's topk, sort,
   # scans and scatter were ~0.35-0.46 ms of omnikv's 9.05 ms step at 128K x 4): GPU tests, kernel rows, then the
   # 128K x 4 engine step with each select (~6 min); if radix wins, set topk_select.LONG_SEARCH = "radix"
-  timeout -s INT 150 $P tests/gpu/test_selection_cuda.py -k "topk" > "$OUT/gpu_tests_topk_radix.log" 2>&1
+  timeout -s INT 200 $P tests/gpu/test_selection_cuda.py -k "topk or long_prompt" > "$OUT/gpu_tests_topk_radix.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_topk_radix.log" | tail -4
   timeout -s INT 90 python3 benchmarks/kernel_bench.py --only ops --quick --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "^topk" "$OUT/kernels_ops.log" | cut -c1-150

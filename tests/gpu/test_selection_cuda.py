@@ -119,3 +119,29 @@ def test_selection_decode_with_cuda_graphs_equals_eager(method, options, graphs)
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert counters["stats"]["unique_graphs"] == graphs  # one per decode variant the steps ran
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_omnikv_long_prompt_radix_select_equals_torch_select(monkeypatch):
+    """A prompt past one program's tile (16,384 scores): OmniKV's filter layer selects through the long-row path;
+    the radix select, compiled and replayed in CUDA graphs, gives the greedy tokens of the torch path run eagerly."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    import sparsecompile
+    from sparsecompile.kernels import topk_select as module
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config)).to("cuda").eval()
+    graphed = AutoModelForCausalLM.from_config(copy.deepcopy(config)).to("cuda").eval()
+    graphed.load_state_dict(eager.state_dict())
+    ids = torch.randint(3, config.vocab_size, (2, 17000), device="cuda")
+    options = dict(budget=512, filter_layers="1", dense_below=0)
+    sparsecompile.optimize(eager, "omnikv", page_size=16, compile=False, **options)
+    sparsecompile.optimize(graphed, "omnikv", page_size=16, compile=True, cuda_graphs=True, **options)
+    monkeypatch.setattr(module, "LONG_SEARCH", "torch")
+    want = eager.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+    monkeypatch.setattr(module, "LONG_SEARCH", "radix")
+    for _ in range(2):  # the second call replays the captured graphs
+        assert torch.equal(graphed.generate(input_ids=ids, max_new_tokens=16, do_sample=False), want)
