@@ -132,7 +132,8 @@ def test_omnikv_long_prompt_radix_select_equals_torch_select(monkeypatch):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
+    config = tiny_config("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
+                         max_position_embeddings=32768)
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(config)).to("cuda").eval()
     graphed = AutoModelForCausalLM.from_config(copy.deepcopy(config)).to("cuda").eval()
     graphed.load_state_dict(eager.state_dict())
