@@ -5,9 +5,10 @@
 
 The H200 budget gives a session a few points per call, so each ``user_path.py`` call writes its own file; this
 merges them. Files are read in the order given (oldest first): a later file's row for a point replaces an earlier
-one, failed rows (``error``) never replace a measurement. Writes ``user_path_h200.jsonl`` (one object per point, the
-fields of ``user_path.py`` plus ``source``, the file it came from), ``user_path_h200.png`` (``generate()`` against the
-engine step, one panel per point) and prints a Markdown table (tok/s, ratio to the engine step, first-call overhead).
+one, failed rows (``error``) never replace a measurement. Writes ``user_path_h200.jsonl`` (one object per point: the
+fields of ``user_path.py``, with ``FIELDS`` always present, null where a run did not measure one, plus ``source``,
+the file it came from), ``user_path_h200.png`` (``generate()`` against the engine step, one panel per point) and
+prints a Markdown table (tok/s, ratio to the engine step).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import os
 
 METHODS = ("vanilla", "streamingllm", "snapkv", "pyramidkv", "h2o", "quest", "omnikv")
+# every row carries these (#14's fields; null where a run did not measure one)
+FIELDS = ("method", "context", "batch", "generate_tok_s", "engine_tok_s", "first_call_extra_s", "warm_process_extra_s")
 POINTS = ((32768, 1), (32768, 16), (131072, 1), (131072, 4))
 
 
@@ -29,7 +32,8 @@ def collect(paths: list[str]) -> dict[tuple[str, int, int], dict]:
                 row = json.loads(line)
                 if "method" not in row or row.get("error") or not row.get("generate_tok_s"):
                     continue
-                rows[(row["method"], row["context"], row["batch"])] = {**row, "source": os.path.basename(path)}
+                rows[(row["method"], row["context"], row["batch"])] = {
+                    **{field: None for field in FIELDS}, **row, "source": os.path.basename(path)}
     return rows
 
 

@@ -32,6 +32,7 @@ def test_newest_row_per_point_wins_and_errors_do_not(tmp_path, capsys):
     ])
     assert user_path_collect.main([old, new, "--out", str(tmp_path), "--tag", "_t"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "user_path_t.jsonl").read_text().splitlines()]
+    assert all(set(user_path_collect.FIELDS) <= set(r) for r in rows)  # null where a run did not measure one
     got = {(r["method"], r["context"], r["batch"]): (r["generate_tok_s"], r["source"]) for r in rows}
     assert got == {("snapkv", 32768, 1): (198.0, "b.jsonl"), ("h2o", 32768, 1): (170.0, "a.jsonl"),
                    ("quest", 131072, 4): (469.2, "b.jsonl")}
