@@ -451,10 +451,10 @@ topk_radix)  # #14: OmniKV's prompt-long rows through the radix select (many pro
   done ;;
 gemv)  # #14 vanilla at 80 % of roofline (73.6 %): the decode projections, cuBLAS against inductor's GEMM autotuning
   # (gemv_ab.py, ~3 min), then the 32K x 1 engine step without and with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 (~4 min)
-  timeout -s INT 280 python3 benchmarks/sessions/gemv_ab.py > "$OUT/gemv_ab_h200.jsonl" 2> "$OUT/gemv_ab.err"
+  timeout -s INT 200 python3 benchmarks/sessions/gemv_ab.py > "$OUT/gemv_ab_h200.jsonl" 2> "$OUT/gemv_ab.err"
   echo "ab rc=$?"; tail -2 "$OUT/gemv_ab.err"; cut -c1-220 "$OUT/gemv_ab_h200.jsonl"
   for tune in 0 1; do
-    TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=$tune timeout -s INT 150 python3 benchmarks/decode.py --points 32768x1 \
+    TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=$tune timeout -s INT $((120 + 100 * tune)) python3 benchmarks/decode.py --points 32768x1 \
       --methods vanilla --no-hf --max-batch "" --prefill "" --profile 32768x1 --out "$OUT" --tag _h200_gemm_tune$tune \
       > "$OUT/gemm_tune$tune.log" 2>&1
     echo "tune=$tune rc=$?"; grep -E '"method"' "$OUT/gemm_tune$tune.log" | cut -c1-220
