@@ -144,6 +144,16 @@ if triton is not None:
         return lo
 
     @triton.jit
+    def _next_digit(hist, bins, greater, count):
+        """One radix step from a digit histogram (``hist`` over ``bins``; bins past 255 count nothing): the largest
+        digit d whose keys at or above it, with the ``greater`` keys already known above, still reach ``count``, and
+        ``greater`` plus the keys of the digits above d."""
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # non-increasing over digits 0..255
+        fits = (bins < 256) & (greater + at_or_above >= count)
+        d = tl.maximum(tl.sum(fits.to(tl.int32), 0) - 1, 0)  # fits holds exactly for digits 0..d
+        return d, greater + tl.sum(tl.where(bins > d, hist, 0), 0)
+
+    @triton.jit
     def _threshold_8bit(key, valid, count):
         """As :func:`_threshold_1bit`, one byte at a time: among the keys that share the digits chosen so far, a
         256-bin histogram of the next byte; the digit is the largest d whose keys at or above it, with the keys
@@ -156,10 +166,7 @@ if triton is not None:
             shift = 24 - 8 * i
             digit = tl.where(live, ((key >> shift) & 0xFF).to(tl.int32), 256)  # the rest counted in bin 256
             hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
-            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [512], non-increasing over 0..255
-            fits = (bins < 256) & (greater + at_or_above >= count)
-            d = tl.maximum(tl.sum(fits.to(tl.int32), 0) - 1, 0)  # fits holds exactly for digits 0..d
-            greater += tl.sum(tl.where(bins > d, hist, 0), 0)
+            d, greater = _next_digit(hist, bins, greater, count)
             thr = thr | (d.to(tl.uint32) << shift)
             live = live & (digit == d)
         return thr
@@ -216,15 +223,12 @@ if triton is not None:
     def _radix_prefix(HIST, r, rows, count, PASSES: tl.constexpr):
         """The threshold's top ``8 * PASSES`` bits of row ``r`` from the histograms of the passes so far
         (``HIST [4, rows, 256]``: pass p counts, among the keys that share the first p digits, each value of digit
-        p), and how many keys lie above every key with those bits: the rule of :func:`_threshold_8bit`."""
+        p), and how many keys lie above every key with those bits (:func:`_next_digit` a pass)."""
         thr = tl.zeros([], dtype=tl.uint32)
         greater = tl.zeros([], dtype=tl.int32)
         bins = tl.arange(0, 256)
         for p in tl.static_range(PASSES):
-            hist = tl.load(HIST + (p * rows + r) * 256 + bins)
-            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-            d = tl.maximum(tl.sum((greater + at_or_above >= count).to(tl.int32), 0) - 1, 0)
-            greater += tl.sum(tl.where(bins > d, hist, 0), 0)
+            d, greater = _next_digit(tl.load(HIST + (p * rows + r) * 256 + bins), bins, greater, count)
             thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
         return thr, greater
 
