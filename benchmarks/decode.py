@@ -504,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     out.close()
     with open(results_path) as handle:  # with --append: every invocation's points
         rows = [json.loads(line) for line in handle]
-    plot([Point(**row) for row in rows if "system" in row], os.path.join(args.out, f"decode{args.tag}.png"))
+    points = [Point(**row) for row in rows if "system" in row]
+    if points:  # (every point failed: its error rows are the results, and there is nothing to draw)
+        plot(points, os.path.join(args.out, f"decode{args.tag}.png"))
     return 0
 
 

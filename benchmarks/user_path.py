@@ -145,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="vanilla,streamingllm,snapkv,pyramidkv,h2o,quest,omnikv")
     parser.add_argument("--points", default="32768x1,32768x16,131072x1,131072x4")
     parser.add_argument("--new-tokens", type=int, default=None,
-                        help="N (default: 129 at points timed by medians, 1025 at points timed by one pair, where one "
-                             "pair of 32K x 16 prefills spreads by ~0.1 s beside 1.7 s of decode at 129)")
+                        help="N (default: 129 at points up to 128K tokens timed by medians, else 1025: one pair of "
+                             "32K x 16 prefills spreads by ~0.1 s beside 1.7 s of decode at 129)")
     parser.add_argument("--steps", type=int, default=128, help="timed engine steps")
     parser.add_argument("--repeats", type=int, default=3, help="timed generate() pairs per point up to 128K tokens "
-                                                             "in the batch (medians); larger points time one pair")
+                                                             "in the batch (medians)")
+    parser.add_argument("--large-repeats", type=int, default=1, help="timed generate() pairs per point past 128K "
+                        "tokens in the batch (a 128K x 4 prefill takes ~46 s: one pair unless a cell needs medians)")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-step rows")
     parser.add_argument("--warm-process", action="store_true", help="measure a new process with warm caches "
                                                                     "(32K x 1 points)")
@@ -178,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         context, batch = map(int, point.split("x"))
         for method in args.methods.split(","):
             try:
-                repeats = args.repeats if context * batch <= 32768 * 4 else 1  # a 128K x 4 prefill takes 47 s
-                new_tokens = args.new_tokens or (129 if repeats > 1 else 1025)
+                small = context * batch <= 32768 * 4
+                repeats = args.repeats if small else args.large_repeats
+                new_tokens = args.new_tokens or (129 if small and repeats > 1 else 1025)
                 row = generate_point(model, method, context, batch, new_tokens, repeats)
                 if not args.no_engine:
                     engine = engine_point(model, method, context, batch, 16, args.steps, wbytes, 1.0)

@@ -39,6 +39,15 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 tenth session: topk_radix (the tests' import was wrong: 5 failed; the radix select 51.8 us vs 202.2 at
+# 131K x 4 rows, omnikv 128K x 4 engine 442.6 -> 466.9 tok/s -> LONG_SEARCH = "radix", chunk 2048), gemv (templates
+# beat cuBLAS at batch 1 by 2-14 %; the step with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 fails to compile: fused q/k/v
+# views), user_points 131072x4 snapkv,h2o (0.968 / 0.982; h2o 0.949x snapkv) and streamingllm,pyramidkv (0.982 /
+# 0.922, one pair), 32768x16 streamingllm (0.984), then the selection tests (17 passed) + omnikv 128K x 4 through
+# generate() with radix by default (457.8 tok/s, 0.971, 2.44x vanilla).
+# Next: POINT=131072x1 NEW=513 METHODS=vanilla,quest user_points, then METHODS=omnikv the same (the table's last
+# cells); POINT=131072x4 METHODS=pyramidkv PAIRS=3 user_points (its 0.922 from one pair); test_export_cuda alone;
+# test_mixed_cuda. Then #14 can be closed with each miss explained.
 # 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
 # h2o 2,408.5 vs snapkv 2,678.7 engine = 0.899x), user_points 32768x16 snapkv,h2o with it (0.947x through generate()),
 # logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
@@ -298,7 +307,7 @@ user_points)  # #14 at the points not measured through generate() yet (32K x 16,
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
   # time one generate() pair)
   timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
-    ${NEW:+--new-tokens $NEW} ${LOGITS:+--logits-config "$LOGITS"} --out "$OUT" --tag _h200_points_${POINT:-32768x16} \
+    ${NEW:+--new-tokens $NEW} ${PAIRS:+--large-repeats $PAIRS} ${LOGITS:+--logits-config "$LOGITS"} --out "$OUT" --tag _h200_points_${POINT:-32768x16} \
     > "$OUT/user_points.log" 2>&1
   echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores

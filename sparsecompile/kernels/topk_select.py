@@ -23,10 +23,13 @@ A two-bit variant (16 passes whose four digit counts shared one int64 reduction)
 stops once exactly ``count`` keys lie at or above the midpoint, about log2(range / gap at the threshold)
 passes instead of 32: 18.6 us against ``"bit"``'s 21.1 in the same H200 run, 32 rows of 8,208 Gaussian scores
 (``results/kernels_ops_h200_bisect.jsonl``).
-Longer rows (OmniKV's prompt-long rows) use ``torch.topk`` for the threshold, which spreads a row over
-many blocks, and the same tie rule and prefix-sum placement in torch ops; or (``LONG_SEARCH = "radix"``, CPU-tested,
-not yet timed on the H200) :func:`topk_select_radix`: four 8-bit radix passes whose chunks add their histograms with
-atomics, then per-chunk counts and ordered writes, all over ``rows x chunks`` programs.
+Longer rows (OmniKV's prompt-long rows) use :func:`topk_select_radix` (``LONG_SEARCH = "radix"``, the default):
+four 8-bit radix passes whose chunks add their histograms with atomics, then per-chunk counts and ordered writes,
+all over ``rows x chunks`` programs: 51.8 us for four rows of 131,236 scores (k 2,048) with 2,048-score chunks
+(57.8 with 4,096, 106.7 with 8,192) against 202.2 for the torch path (``torch.topk`` for the threshold, which
+spreads a row over many blocks, then the same tie rule and prefix-sum placement in torch ops, ``LONG_SEARCH =
+"torch"``); OmniKV's 128K x 4 step 8.57 ms against 9.04 (``results/kernels_ops_h200_topk_radix.jsonl``,
+``decode_h200_topk_{torch,radix}.jsonl``).
 """
 
 from __future__ import annotations
@@ -295,9 +298,8 @@ if triton is not None:
 
 SEARCHES = ("bisect", "bit", "byte")  # the kernel's SEARCH constexpr is the index
 LONG_SEARCHES = ("torch", "radix")
-# Rows past the one-program tile: the torch path until the radix select is timed on the H200 (kernel_bench.py --only
-# ops, decode.py --topk-long-search radix at 128K x 4).
-LONG_SEARCH = "torch"
+# Rows past the one-program tile: the radix select (4x faster than the torch path at 131K scores on the H200).
+LONG_SEARCH = "radix"
 
 
 def _tiles(n: int, search: str) -> tuple[int, int]:
@@ -311,7 +313,7 @@ def _tiles(n: int, search: str) -> tuple[int, int]:
     return main, max(16, triton.next_power_of_2(n - main))
 
 
-def topk_select_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
+def topk_select_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, chunk: int = 2048) -> torch.Tensor:
     """Long rows over many programs, with the semantics of :func:`topk_select_reference`: four 8-bit radix passes
     find each row's ``count``-th largest key (a pass: every ``chunk`` of a row adds its digit histogram into the
     row's with atomics), a count pass gives each chunk's entries above and at the threshold, and a write pass
