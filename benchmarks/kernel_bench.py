@@ -110,6 +110,8 @@ def op_rows(copies: int = 3) -> list[dict]:
         if shape[2] <= 16384:
             variants = [("topk_select" + ("" if search == "bisect" else f" {search}"), {"search": search})
                         for search in ("bisect", "bit", "byte")]
+            # Quest's 32 rows on 32 programs: whether the many-program radix select beats the one-program bisection
+            variants += [(f"topk_select radix chunk {chunk}", {"chunk": chunk}) for chunk in (512, 1024, 2048)]
         else:  # longer rows: the torch path against the radix select (and its chunk per program)
             variants = [("topk_select long torch", {"long_search": "torch"})]
             variants += [(f"topk_select long radix chunk {chunk}", {"chunk": chunk}) for chunk in (2048, 4096, 8192)]

@@ -45,9 +45,10 @@
 # views), user_points 131072x4 snapkv,h2o (0.968 / 0.982; h2o 0.949x snapkv) and streamingllm,pyramidkv (0.982 /
 # 0.922, one pair), 32768x16 streamingllm (0.984), then the selection tests (17 passed) + omnikv 128K x 4 through
 # generate() with radix by default (457.8 tok/s, 0.971, 2.44x vanilla).
-# Next: POINT=131072x1 NEW=513 METHODS=vanilla,quest user_points, then METHODS=omnikv the same (the table's last
-# cells); POINT=131072x4 METHODS=pyramidkv PAIRS=3 user_points (its 0.922 from one pair); test_export_cuda alone;
-# test_mixed_cuda. Then #14 can be closed with each miss explained.
+# Next: POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's last cells, ~7 min);
+# POINT=131072x4 METHODS=pyramidkv PAIRS=2 user_points (its 0.922 from one pair, ~6 min); ops (kernel_bench: the
+# radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, route those rows to it); test_export_cuda
+# alone; test_mixed_cuda. Then #14 can be closed with each miss explained.
 # 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
 # h2o 2,408.5 vs snapkv 2,678.7 engine = 0.899x), user_points 32768x16 snapkv,h2o with it (0.947x through generate()),
 # logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
@@ -307,7 +308,8 @@ user_points)  # #14 at the points not measured through generate() yet (32K x 16,
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
   # time one generate() pair)
   timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
-    ${NEW:+--new-tokens $NEW} ${PAIRS:+--large-repeats $PAIRS} ${LOGITS:+--logits-config "$LOGITS"} --out "$OUT" --tag _h200_points_${POINT:-32768x16} \
+    ${NEW:+--new-tokens $NEW} ${PAIRS:+--large-repeats $PAIRS} ${REPEATS:+--repeats $REPEATS} \
+    ${LOGITS:+--logits-config "$LOGITS"} --out "$OUT" --tag _h200_points_${POINT:-32768x16} \
     > "$OUT/user_points.log" 2>&1
   echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
 token_max_ab)  # #14: the fused filter-layer logits at the kernel level first (token_max_ab.py: attention + scores
