@@ -23,17 +23,31 @@ FIELDS = ("method", "context", "batch", "generate_tok_s", "engine_tok_s", "first
 POINTS = ((32768, 1), (32768, 16), (131072, 1), (131072, 4))
 
 
+# measured by a process of their own (a new process against warm caches; building its programs), not by the
+# decode timings of the row: carried from the newest row that has them
+SEPARATE = ("warm_process_extra_s", "programs_build_s")
+
+
 def collect(paths: list[str]) -> dict[tuple[str, int, int], dict]:
-    """The newest successful row per (method, context, batch), in the order of ``paths``."""
+    """The newest successful row per (method, context, batch), in the order of ``paths``; a row without an engine
+    step (``user_path.py --no-engine``) replaces only rows without one, and the :data:`SEPARATE` figures come from
+    the newest row that measured them (``warm_process_source`` names its file)."""
     rows: dict[tuple[str, int, int], dict] = {}
+    separate: dict[tuple[str, int, int], dict] = {}
     for path in paths:
+        name = os.path.basename(path)
         with open(path) as handle:
             for line in handle:
                 row = json.loads(line)
                 if "method" not in row or row.get("error") or not row.get("generate_tok_s"):
                     continue
-                rows[(row["method"], row["context"], row["batch"])] = {
-                    **{field: None for field in FIELDS}, **row, "source": os.path.basename(path)}
+                key = (row["method"], row["context"], row["batch"])
+                if any(row.get(field) is not None for field in SEPARATE):
+                    separate[key] = {**{field: row.get(field) for field in SEPARATE}, "warm_process_source": name}
+                if row.get("engine_tok_s") or not (rows.get(key) or {}).get("engine_tok_s"):
+                    rows[key] = {**{field: None for field in FIELDS}, **row, "source": name}
+    for key, figures in separate.items():
+        rows[key].update(figures)
     return rows
 
 

@@ -41,6 +41,28 @@ def test_newest_row_per_point_wins_and_errors_do_not(tmp_path, capsys):
     assert "469.2 (0.979)" in table
 
 
+def test_warm_process_figures_carry_and_rows_without_engine_do_not_replace(tmp_path):
+    """A programs run (``--no-engine --warm-process``) gives its warm-process figure to the point's row but does not
+    replace the generate / engine pair measured in one run."""
+    pair = {"method": "quest", "context": 32768, "batch": 1, "generate_tok_s": 164.3, "engine_tok_s": 168.9}
+    first = _write(tmp_path / "a.jsonl", [pair, {**pair, "method": "snapkv", "warm_process_extra_s": 9.1}])
+    later = _write(tmp_path / "b.jsonl", [
+        {"method": "quest", "context": 32768, "batch": 1, "generate_tok_s": 160.0, "warm_process_extra_s": 0.3,
+         "programs_build_s": 120.0},
+        {"method": "vanilla", "context": 32768, "batch": 1, "generate_tok_s": 166.0},  # nothing to keep: taken
+        {**pair, "method": "snapkv", "generate_tok_s": 170.0},  # newer pair, no warm figure: the old one stays
+    ])
+    rows = user_path_collect.collect([first, later])
+    quest = rows[("quest", 32768, 1)]
+    assert (quest["generate_tok_s"], quest["engine_tok_s"], quest["source"]) == (164.3, 168.9, "a.jsonl")
+    assert (quest["warm_process_extra_s"], quest["programs_build_s"], quest["warm_process_source"]) == (
+        0.3, 120.0, "b.jsonl")
+    assert rows[("vanilla", 32768, 1)]["generate_tok_s"] == 166.0
+    snapkv = rows[("snapkv", 32768, 1)]
+    assert (snapkv["generate_tok_s"], snapkv["warm_process_extra_s"], snapkv["warm_process_source"]) == (
+        170.0, 9.1, "a.jsonl")
+
+
 def test_output_is_not_an_input(tmp_path):
     out = _write(tmp_path / "user_path_t.jsonl", [])
     with pytest.raises(SystemExit):
