@@ -48,7 +48,8 @@
 # Next: POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's last cells, ~7 min);
 # POINT=131072x4 METHODS=pyramidkv PAIRS=2 user_points (its 0.922 from one pair, ~6 min); ops (kernel_bench: the
 # radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, route those rows to it); test_export_cuda
-# alone; test_mixed_cuda. Then #14 can be closed with each miss explained.
+# alone; test_mixed_cuda; warm_programs (METHODS two a call) for the warm-process figures not measured yet. Then #14
+# can be closed with each miss explained.
 # 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
 # h2o 2,408.5 vs snapkv 2,678.7 engine = 0.899x), user_points 32768x16 snapkv,h2o with it (0.947x through generate()),
 # logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
@@ -615,6 +616,13 @@ kivi_capacity)  # #20: the largest batch at 128K of KM (default snapkv+kivi; sna
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage capacity --points ${KM:-snapkv+kivi}:131072x1 \
     --out "$OUT/kivi_capacity_h200_${KM:-snapkv+kivi}.jsonl" > "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" | cut -c1-600 ;;
+warm_programs)  # #14's "new process with warm caches <= 8 s" for the methods not measured yet: per method, its
+  # decode program built by warmup(programs=True) (120-182 s each), then a new process loads it; METHODS two a call
+  # (streamingllm,snapkv / pyramidkv,quest / omnikv; ~8 min). user_path_collect carries the figure into the row.
+  timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-streamingllm,snapkv} --points 32768x1 \
+    --new-tokens 129 --repeats 1 --no-engine --warm-process --warm-programs --tag _h200_warm_programs --out "$OUT" \
+    > "$OUT/user_path_warm_programs.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/user_path_warm_programs.log" | cut -c1-250 ;;
 programs)  # #14: precompiled decode programs (serving/decode_programs.py): their GPU test, then a warm process that
   # loads the program warmup(programs=True) built instead of tracing (METHOD, default vanilla; ~8 min)
   timeout -s INT 200 $P tests/gpu/test_decode_programs_cuda.py > "$OUT/gpu_tests_decode_programs.log" 2>&1
