@@ -238,6 +238,25 @@ def test_radix_topk_select_matches_reference(n, k, chunk, levels):
 
 
 @triton_only
+def test_radix_from_routes_rows_within_the_tile(monkeypatch):
+    """``RADIX_FROM``: rows of at least that many scores take the radix select inside one program's tile too (Quest's
+    rows, if the H200 says so); shorter rows keep the one-program select."""
+    import importlib
+
+    module = importlib.import_module("sparsecompile.kernels.topk_select")
+    calls = []
+    radix = module.topk_select_radix
+    monkeypatch.setattr(module, "topk_select_radix", lambda *a, **kw: calls.append(a[0].shape[-1]) or radix(*a, **kw))
+    monkeypatch.setattr(module, "RADIX_FROM", 200)
+    for n in (300, 100):
+        scores = _topk_case(n, n + 2)
+        counts = torch.tensor([[0, 3, 16], [n, 20, 2]])
+        got = module.topk_select_triton(scores.to(DEVICE), counts.to(DEVICE), 16)
+        assert torch.equal(got.cpu(), topk_select_reference(scores, counts, 16))
+    assert calls == [300]
+
+
+@triton_only
 @pytest.mark.parametrize("kv_heads,tokens", [(2, 1), (3, 1), (2, 3)])
 def test_triton_kv_write_bounds_matches_reference(kv_heads, tokens):
     """One key per sequence (the fused decode kernel): a page's first slot resets its bounds, later slots fold in,

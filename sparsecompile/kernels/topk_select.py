@@ -300,6 +300,10 @@ SEARCHES = ("bisect", "bit", "byte")  # the kernel's SEARCH constexpr is the ind
 LONG_SEARCHES = ("torch", "radix")
 # Rows past the one-program tile: the radix select (4x faster than the torch path at 131K scores on the H200).
 LONG_SEARCH = "radix"
+# Rows of at least this many scores take the radix select even within one program's tile (None: never). Quest's 32
+# rows of 8,208 pages at 128K x 4 fill 32 of 132 SMs with one program each (22 us a call, latency-bound); whether the
+# radix select's rows x chunks programs beat that is what ``kernel_bench.py --only ops`` times (not yet run).
+RADIX_FROM: int | None = None
 
 
 def _tiles(n: int, search: str) -> tuple[int, int]:
@@ -361,6 +365,8 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
     batch, heads, n = scores.shape
     if n > max_tile:
         return topk_select_radix(scores, counts, k) if long_search == "radix" else _topk_select_long(scores, counts, k)
+    if RADIX_FROM is not None and n >= RADIX_FROM:
+        return topk_select_radix(scores, counts, k)
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(batch, heads, k, dtype=torch.int64, device=scores.device)

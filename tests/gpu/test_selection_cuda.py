@@ -70,7 +70,7 @@ def test_topk_select_triton_vs_reference(n, k, search):
 
 
 @pytest.mark.parametrize("long_search", ["torch", "radix"])
-@pytest.mark.parametrize("n,k,chunk", [(131236, 2048, 4096), (40000, 512, 1024)])
+@pytest.mark.parametrize("n,k,chunk", [(131236, 2048, 4096), (40000, 512, 1024), (8208, 128, 1024)])
 def test_long_row_topk_select_vs_reference(n, k, chunk, long_search):
     """OmniKV's prompt-long rows (128K x 4: four rows of 131,236 scores, k 2,048), both long-row selects; ties
     across chunks, -inf tails, a forced entry, counts below the width and zero."""
