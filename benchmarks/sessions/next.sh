@@ -47,7 +47,7 @@
 # generate() with radix by default (457.8 tok/s, 0.971, 2.44x vanilla).
 # Next: POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's last cells, ~7 min);
 # POINT=131072x4 METHODS=pyramidkv PAIRS=2 user_points (its 0.922 from one pair, ~6 min); ops (kernel_bench: the
-# radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, route those rows to it); test_export_cuda
+# radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, set topk_select.RADIX_FROM); test_export_cuda
 # alone; test_mixed_cuda; warm_programs (METHODS two a call) for the warm-process figures not measured yet. Then #14
 # can be closed with each miss explained.
 # 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
