@@ -17,6 +17,9 @@ Per (method, context, batch) point, through the public API only (random bf16 wei
   ``sparsecompile.warmup(programs=True)`` at the point (``programs_build_s``), so the child loads the precompiled
   decode program instead of tracing the step.
 
+``--profile-generate``: one more call per point with a window of its decode steps profiled (:func:`profile_generate`:
+the kernels, the GPU's idle share), beside the engine step's profile.
+
 Results: JSON lines ``user_path<TAG>.jsonl`` under ``--out`` (fields method, context, batch, generate_tok_s,
 engine_tok_s, first_call_extra_s, warm_process_extra_s, ...) and a table on stdout.
 Cost: a point costs three prefills plus a compile (32K x 1: about 40-70 s; 128K x 4: several minutes).
@@ -58,10 +61,66 @@ def _timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def generate_point(model, method: str, context: int, batch: int, new_tokens: int, repeats: int = 1) -> dict:
+class _ProfiledTokens:
+    """A ``generate()`` streamer that steps a torch profiler at every ``put`` (the prompt's, then one a token): with
+    a wait / warmup / active schedule, the profile covers a window of decode steps inside a real ``generate()`` call,
+    host loop, sampling ops and all, and no prefill."""
+
+    def __init__(self, prof) -> None:
+        self.prof = prof
+
+    def put(self, value) -> None:
+        self.prof.step()
+
+    def end(self) -> None:
+        pass
+
+
+PROFILE_WINDOW = (8, 4, 32)  # tokens waited, warmed up, profiled
+
+
+def profile_generate(model, ids: torch.Tensor, path: str) -> dict:
+    """Where a ``generate()`` decode step's time goes (``--profile-generate``): the top kernels of
+    ``PROFILE_WINDOW[2]`` steps in the middle of one call, written to ``path``, and the GPU's idle share of that
+    window (the union of kernel intervals against the span from the first kernel to the last): what the engine
+    step's profile (``decode.py --profile``) does not see."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    wait, warmup, active = PROFILE_WINDOW
+    tables: list = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                 on_trace_ready=tables.append) as prof:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=wait + warmup + active + 8,
+                       min_new_tokens=wait + warmup + active + 8, do_sample=False, pad_token_id=0,
+                       streamer=_ProfiledTokens(prof))
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+    if not tables:
+        return {"profile_error": "the profiler's window did not close (fewer streamed tokens than the schedule)"}
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in tables[0].events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach = 0.0, float("-inf")
+    for start, end in kernels:  # union of the kernels' intervals
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    span = kernels[-1][1] - kernels[0][0] if kernels else 0.0
+    with open(path, "w") as handle:
+        handle.write(f"{active} decode steps of one generate() call; GPU busy {busy / 1e3:.2f} ms of a "
+                     f"{span / 1e3:.2f} ms span ({active} steps: {span / active / 1e3:.3f} ms a step)\n")
+        handle.write(tables[0].key_averages().table(sort_by="cuda_time_total" if ids.is_cuda else "cpu_time_total",
+                                                   row_limit=60, max_name_column_width=90))
+    return {"profile_step_ms": span / active / 1e3, "profile_gpu_busy_ms": busy / active / 1e3,
+            "profile_gpu_idle_share": 1 - busy / span if span else None}
+
+
+def generate_point(model, method: str, context: int, batch: int, new_tokens: int, repeats: int = 1,
+                   profile_path: str | None = None) -> dict:
     """``repeats`` pairs of timed calls, alternating one token and ``new_tokens``, medians of each: both times hold
     a prefill whose run-to-run spread (0.5 s at 32K on the H200, 2026-12-01) is several decode steps' worth, so
-    a single pair can misstate decode by 10 % at 64 tokens."""
+    a single pair can misstate decode by 10 % at 64 tokens. ``profile_path``: then one profiled call
+    (:func:`profile_generate`)."""
     sparsecompile.optimize(model, method, **METHOD_OPTIONS[method])
     ids = torch.randint(3, 1000, (batch, context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     try:
@@ -77,13 +136,15 @@ def generate_point(model, method: str, context: int, batch: int, new_tokens: int
         from torch._dynamo.utils import counters
 
         skips = int(counters["inductor"]["cudagraph_skips"])
+        profiled = profile_generate(model, ids, profile_path) if profile_path else {}
     finally:
         sparsecompile.restore(model)
         torch.cuda.empty_cache()
     return {"method": method, "context": context, "batch": batch, "new_tokens": new_tokens,
             "generate_tok_s": batch * (new_tokens - 1) / (full - one), "t_one_s": one, "t_full_s": full,
             "t_one_runs_s": [round(t, 4) for t in ones], "t_full_runs_s": [round(t, 4) for t in fulls],
-            "first_call_extra_s": first - full, "first_call_compile_phases_s": first_phases, "cudagraph_skips": skips}
+            "first_call_extra_s": first - full, "first_call_compile_phases_s": first_phases, "cudagraph_skips": skips,
+            **profiled}
 
 
 def compile_phases() -> dict[str, float]:
@@ -153,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-repeats", type=int, default=1, help="timed generate() pairs per point past 128K "
                         "tokens in the batch (a 128K x 4 prefill takes ~46 s: one pair unless a cell needs medians)")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-step rows")
+    parser.add_argument("--profile-generate", action="store_true", help="profile a window of decode steps inside one "
+                        "more generate() call per point (profile_generate_<method>_<K>k_b<batch>.txt; with the engine "
+                        "step's profile beside it, profile_<method>_<K>k_b<batch>.txt)")
     parser.add_argument("--warm-process", action="store_true", help="measure a new process with warm caches "
                                                                     "(32K x 1 points)")
     parser.add_argument("--warm-programs", action="store_true", help="before the warm process, precompile its decode "
@@ -183,9 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                 small = context * batch <= 32768 * 4
                 repeats = args.repeats if small else args.large_repeats
                 new_tokens = args.new_tokens or (129 if small and repeats > 1 else 1025)
-                row = generate_point(model, method, context, batch, new_tokens, repeats)
+                name = f"{method}_{context // 1024}k_b{batch}"
+                profiles = ({"profile_path": os.path.join(args.out, f"profile_generate_{name}.txt")}
+                            if args.profile_generate else {})
+                row = generate_point(model, method, context, batch, new_tokens, repeats, **profiles)
                 if not args.no_engine:
-                    engine = engine_point(model, method, context, batch, 16, args.steps, wbytes, 1.0)
+                    engine = engine_point(model, method, context, batch, 16, args.steps, wbytes, 1.0,
+                                          os.path.join(args.out, f"profile_{name}.txt") if profiles else None)
                     row["engine_tok_s"] = engine.tok_s
                     row["generate_vs_engine"] = row["generate_tok_s"] / engine.tok_s
                 if args.warm_process and (context, batch) == (32768, 1):

@@ -46,7 +46,8 @@
 # 0.922, one pair), 32768x16 streamingllm (0.984), then the selection tests (17 passed) + omnikv 128K x 4 through
 # generate() with radix by default (457.8 tok/s, 0.971, 2.44x vanilla).
 # Next: POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's last cells, ~7 min);
-# POINT=131072x4 METHODS=pyramidkv PAIRS=2 user_points (its 0.922 from one pair, ~6 min); ops (kernel_bench: the
+# POINT=131072x4 METHODS=pyramidkv PAIRS=2 PROFILE=1 user_points (its 0.922 from one pair; generate() and engine
+# profiled side by side: where the 2-3 % between them goes, ~7 min); ops (kernel_bench: the
 # radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, set topk_select.RADIX_FROM); test_export_cuda
 # alone; test_mixed_cuda; warm_programs (METHODS two a call) for the warm-process figures not measured yet. Then #14
 # can be closed with each miss explained.
@@ -309,7 +310,7 @@ user_points)  # #14 at the points not measured through generate() yet (32K x 16,
   # a cold decode compile is ~45 s per method and batch size, a 128K x 4 prefill ~48 s, and points over 128K tokens
   # time one generate() pair)
   timeout -s INT 560 python3 benchmarks/user_path.py --methods ${METHODS:-snapkv,h2o} --points ${POINT:-32768x16} \
-    ${NEW:+--new-tokens $NEW} ${PAIRS:+--large-repeats $PAIRS} ${REPEATS:+--repeats $REPEATS} \
+    ${NEW:+--new-tokens $NEW} ${PAIRS:+--large-repeats $PAIRS} ${REPEATS:+--repeats $REPEATS} ${PROFILE:+--profile-generate} \
     ${LOGITS:+--logits-config "$LOGITS"} --out "$OUT" --tag _h200_points_${POINT:-32768x16} \
     > "$OUT/user_points.log" 2>&1
   echo "rc=$?"; tail -5 "$OUT/user_points.log" | cut -c1-250 ;;
