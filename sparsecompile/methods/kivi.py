@@ -17,7 +17,13 @@ one forward (``PrefillMode.WHOLE``) whose slots stay in full precision until the
 the kept tokens are then quantized, once, and decode appends to the residual. Policies that keep moving tokens
 during decode (``streamingllm``, ``h2o``: evict-and-fill every step, H2O also after every prefill chunk, and H2O
 re-reads every key for its scores) and selection methods that read pages through their own key-scoring kernels
-(``quest``, ``omnikv``) are refused with the reason (:func:`kivi_refusal`).
+(``quest``, ``omnikv``) are refused with the reason (:func:`kivi_refusal`). What composing them would take: a
+sliding window (``streamingllm``) could drop the oldest non-sink *page* once the window holds a page too many (whole
+key groups move with their pages, nothing is re-quantized; the sinks rounded up to a page), but the residual ring is
+indexed by absolute slot (``slot % (R + G)``) and the views read every row from slot 0, so dropping a page from the
+middle of a row needs the ring rotated and the page table shifted with it; H2O's single-token evictions inside
+quantized groups would free memory only once a group empties; ``kvzip``'s scoring passes need the prompt kept in
+full precision across several steps (the deferral spans one step today).
 
 Defaults follow KIVI's LongBench setting (group 32, residual 128, 2 bits; KIVI recommends 4 bits for GQA models);
 HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_length``.
