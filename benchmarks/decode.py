@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bandwidth import measure_read_bandwidth  # noqa: E402
 
 import sparsecompile  # noqa: E402
+from sparsecompile.kernels.argmax import first_argmax  # noqa: E402
 from sparsecompile.models.hf_cache import SparseCache  # noqa: E402
 from sparsecompile.models.hf_patch import (
     cache_argument_name,  # noqa: E402
@@ -162,7 +163,7 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
         def step():
             nonlocal ids
             logits = controller.decode(patched.inner, rows, ids, pos)
-            ids = logits[:, -1].argmax(-1, keepdim=True)
+            ids = first_argmax(logits[:, -1])[:, None]  # (what generate() samples with)
             pos.add_(1)
 
         elapsed = _timed_window(step, warmup, steps)
@@ -257,7 +258,7 @@ def hf_point(model, kind: str, context: int, batch: int, warmup: int, steps: int
         def step():
             nonlocal ids
             logits = forward(input_ids=ids, position_ids=pos.clone(), **{name: cache}).logits
-            ids = logits[:, -1].argmax(-1, keepdim=True)
+            ids = first_argmax(logits[:, -1])[:, None]  # (what generate() samples with)
             pos.add_(1)
 
         elapsed = _timed_window(step, warmup, steps)

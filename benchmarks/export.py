@@ -95,6 +95,8 @@ def role_decode_artifact(args) -> dict:
     sys.path.insert(0, str(HERE))
     from decode import _fill_synthetic, _profile, _timed_window
 
+    from sparsecompile.kernels.argmax import first_argmax
+
     engine = sparsecompile.load(args.dir).llm_engine
     controller = engine.controller
     rows = controller.add_sequences(args.batch)
@@ -106,7 +108,7 @@ def role_decode_artifact(args) -> dict:
     def step():
         nonlocal ids
         logits = controller.decode(None, rows, ids, pos, pad_to=bucket)
-        ids = logits[:, -1].argmax(-1, keepdim=True)
+        ids = first_argmax(logits[:, -1])[:, None]  # (what generate() samples with)
         pos.add_(1)
 
     step_s = _timed_window(step, args.warmup, args.steps) / args.steps

@@ -30,6 +30,7 @@ from kivi_kernels import kivi_rows  # noqa: E402
 from mass_kernels import mass_decode_rows, mass_rows  # noqa: E402
 
 import sparsecompile  # noqa: E402,F401  (registers ops)
+from sparsecompile.kernels.argmax import first_argmax  # noqa: E402
 from sparsecompile.kernels.fused_pointwise import (  # noqa: E402
     rms_norm_reference,
     rms_norm_triton,
@@ -140,6 +141,13 @@ def op_rows(copies: int = 3) -> list[dict]:
     rows.append(_op_row("kv_write_bounds (decode)", [(k_pool, v_pool, pos_pool, *bounds, key, value, slot,
                                                       slot.clone())], kv_write_bounds_triton, 0.0, batch=big))
     del sets
+    # Greedy sampling's argmax over Llama 3's vocabulary (fp32 logits, as generate() samples them): torch's one
+    # reduction against first_argmax's two.
+    for b in (1, 4, 16):
+        logits = [(torch.randn(b, 128256, device="cuda"),) for _ in range(copies)]
+        mb = b * 128256 * 4 / 1e6
+        rows.append(_op_row("argmax torch", logits, lambda x: x.argmax(-1), mb, batch=b))
+        rows.append(_op_row("argmax first_argmax", logits, first_argmax, mb, batch=b))
     torch.cuda.empty_cache()
     return rows
 

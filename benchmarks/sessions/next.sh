@@ -48,7 +48,8 @@
 # Next: POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's last cells, ~7 min);
 # POINT=131072x4 METHODS=pyramidkv PAIRS=2 PROFILE=1 user_points (its 0.922 from one pair; generate() and engine
 # profiled side by side: where the 2-3 % between them goes, ~7 min); ops (kernel_bench: the
-# radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, set topk_select.RADIX_FROM); test_export_cuda
+# radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, set topk_select.RADIX_FROM) as ops_b
+# (with first_argmax's GPU test and rows: 35 us a step for torch's argmax at every batch); test_export_cuda
 # alone; test_mixed_cuda; warm_programs (METHODS two a call) for the warm-process figures not measured yet. Then #14
 # can be closed with each miss explained.
 # 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
@@ -617,6 +618,13 @@ kivi_capacity)  # #20: the largest batch at 128K of KM (default snapkv+kivi; sna
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage capacity --points ${KM:-snapkv+kivi}:131072x1 \
     --out "$OUT/kivi_capacity_h200_${KM:-snapkv+kivi}.jsonl" > "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" | cut -c1-600 ;;
+ops_b)  # #14: first_argmax (greedy sampling's argmax in two reductions) and the radix select at Quest's rows: GPU
+  # tests, then kernel_bench's ops rows (argmax torch vs first_argmax at batch 1 / 4 / 16; topk radix chunks) (~2 min)
+  timeout -s INT 150 $P tests/gpu/test_argmax_cuda.py tests/gpu/test_sampling_cuda.py \
+    tests/gpu/test_selection_cuda.py -k "argmax or sampl or topk" > "$OUT/gpu_tests_ops_b.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_ops_b.log" | tail -4
+  timeout -s INT 120 python3 benchmarks/kernel_bench.py --only ops --quick --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
+  echo "rc=$?"; grep -E "^topk|^argmax" "$OUT/kernels_ops.log" | cut -c1-150 ;;
 warm_programs)  # #14's "new process with warm caches <= 8 s" for the methods not measured yet: per method, its
   # decode program built by warmup(programs=True) (120-182 s each), then a new process loads it; METHODS two a call
   # (streamingllm,snapkv / pyramidkv,quest / omnikv; ~8 min). user_path_collect carries the figure into the row.

@@ -25,6 +25,7 @@ from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..kernels.argmax import first_argmax
 from .hf_cache import SparseCache
 
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
@@ -88,7 +89,7 @@ class SparseSampleLoop:
             if config.do_sample:
                 next_tokens = torch.multinomial(nn.functional.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
             else:
-                next_tokens = torch.argmax(next_scores, dim=-1)
+                next_tokens = first_argmax(next_scores)  # torch.argmax's result, in two reductions on CUDA
             if has_eos:
                 next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

@@ -34,6 +34,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from ..kernels.argmax import first_argmax
 from .outputs import SamplingParams
 
 __all__ = ["TokenHistory", "make_generator", "process_logits", "sample", "token_logprobs"]
@@ -267,7 +268,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if histories is None or len(histories) != len(params):
             raise ValueError("sample: penalties, logit_bias and min_tokens need one TokenHistory per row")
         x = process_logits(x.clone() if x is logits else x, params, histories, eos_token_ids)
-    tokens = x.argmax(dim=-1)
+    tokens = first_argmax(x)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
@@ -296,7 +297,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = _min_p(probs, torch.tensor([p.min_p for p in sub], dtype=torch.float32, device=device))
 
     q = _exponentials(probs.shape, [generators[i] for i in rows], device)
-    drawn = (probs / q).argmax(dim=-1)
+    drawn = first_argmax(probs / q)
     # Never sample from NaN / inf: such rows (bad logits, an overflowing temperature) take their argmax.
     broken = ~torch.isfinite(probs).all(dim=-1)
     fallback = tokens if len(rows) == len(params) else tokens[torch.tensor(rows, device=device)]
