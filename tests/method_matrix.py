@@ -19,4 +19,6 @@ DENSE_EQUIVALENT = {
     # checked against independent formulas in tests/test_kivi.py); head_dim 16 needs groups of at most 16
     "kivi": {"residual": 64, "group_size": 16},
     "snapkv+kivi": {"budget": 64, "residual": 64, "group_size": 16},
+    # the window's floor is its pinned page plus the residual (16 + 64)
+    "streamingllm+kivi": {"budget": 80, "residual": 64, "group_size": 16},
 }

@@ -178,6 +178,9 @@ class EvictionRuntime(SparseMethod):
     #: :meth:`decode_scores` and :func:`evict_and_fill`); :meth:`protected_slots` and the recent window say what it
     #: never takes.
     victim_values: ClassVar[str | None] = None
+    #: decode eviction always takes the oldest token past :meth:`protected_slots` (a sliding window): over a storage
+    #: that must not rewrite slots it can slide a page at a time instead (``streamingllm+kivi``, ``kivi_window.py``)
+    window_pages: ClassVar[bool] = False
 
     def __init__(self, config: EvictionConfig, model: ModelInfo) -> None:
         super().__init__(config, model)

@@ -8,22 +8,21 @@ quantized a group at a time as they age). Methods never see codes: their hooks r
 * ``method="kivi"``: every token stays (the ``vanilla`` policy) in KIVI storage.
 * ``method="<policy>+kivi"`` (parsed by ``registry.py``): the policy decides what stays, KIVI how it is stored; the
   options of both are accepted (``budget=2048, bits=2``). Accepted policies: those that move resident tokens only
-  when a prompt ends, then only append (``snapkv``, ``pyramidkv``).
+  when a prompt ends, then only append (``snapkv``, ``pyramidkv``), and a sliding window (``streamingllm``), which
+  over KIVI pages slides a page at a time (``kivi_window.py``).
 
 How eviction stays correct over quantized storage (we chose "quantize only tokens that will never move again"):
 a KIVI key group is quantized per channel over consecutive slots, so moving one token in or out of a quantized group
 would re-quantize the group (and, repeated, compound the error). A composed policy's prompt is therefore prefilled in
 one forward (``PrefillMode.WHOLE``) whose slots stay in full precision until the policy's compaction has run; only
-the kept tokens are then quantized, once, and decode appends to the residual. Policies that keep moving tokens
-during decode (``streamingllm``, ``h2o``: evict-and-fill every step, H2O also after every prefill chunk, and H2O
-re-reads every key for its scores) and selection methods that read pages through their own key-scoring kernels
-(``quest``, ``omnikv``) are refused with the reason (:func:`kivi_refusal`). What composing them would take: a
-sliding window (``streamingllm``) could drop the oldest non-sink *page* once the window holds a page too many (whole
-key groups move with their pages, nothing is re-quantized; the sinks rounded up to a page), but the residual ring is
-indexed by absolute slot (``slot % (R + G)``) and the views read every row from slot 0, so dropping a page from the
-middle of a row needs the ring rotated and the page table shifted with it; H2O's single-token evictions inside
-quantized groups would free memory only once a group empties; ``kvzip``'s scoring passes need the prompt kept in
-full precision across several steps (the deferral spans one step today).
+the kept tokens are then quantized, once, and decode appends to the residual; a sliding window drops whole pages
+from the front of its unpinned tokens (the block table shifts, the ring turns; ``kivi_window.py``). Policies that
+evict anywhere during decode (``h2o``: evict-and-fill every step and after every prefill chunk, and it re-reads
+every key for its scores) and selection methods that read pages through their own key-scoring kernels (``quest``,
+``omnikv``) are refused with the reason (:func:`kivi_refusal`). What composing them would take: H2O's single-token
+evictions inside quantized groups would free memory only once a group empties (or re-quantize the group);
+``kvzip``'s scoring passes need the prompt kept in full precision across several steps (the deferral spans one step
+today).
 
 Defaults follow KIVI's LongBench setting (group 32, residual 128, 2 bits; KIVI recommends 4 bits for GQA models);
 HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_length``.
@@ -42,6 +41,7 @@ from ..runtime.contract import PrefillMode, SparseMethod
 from ..runtime.kivi import KiviSpec
 from ..runtime.memory_oracle import MemoryOracle
 from .eviction import EvictionRuntime
+from .kivi_window import PageWindowMixin
 from .registry import register_format, register_method
 
 if TYPE_CHECKING:
@@ -186,13 +186,14 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
                 f"(page min / max, key scores); over quantized pages those reads would need KIVI-aware scoring "
                 f"kernels, which do not exist yet. Use {policy.name} alone, or kivi alone")
     if issubclass(policy, EvictionRuntime) and (policy.chunk_eviction  # (decode_interval: evicts during decode)
-                                                or _overrides(policy, EvictionRuntime, "decode_interval")):
+                                                or (_overrides(policy, EvictionRuntime, "decode_interval")
+                                                    and not policy.window_pages)):
         return (f"{policy.name} evicts resident tokens during decode (evict-and-fill moves the newest token into each "
                 f"hole{', and it evicts after every prefill chunk' if policy.chunk_eviction else ''}); KIVI quantizes "
                 f"keys per channel over groups of consecutive slots and keeps the newest tokens in full precision, so "
                 f"every eviction would re-quantize a key group around the newest token and compound the error. "
-                f"Compose a policy that evicts once, after the prompt (snapkv+kivi, pyramidkv+kivi), or use "
-                f"{policy.name} alone")
+                f"Compose a policy that evicts once, after the prompt (snapkv+kivi, pyramidkv+kivi), or a sliding "
+                f"window (streamingllm+kivi), or use {policy.name} alone")
     if policy.uses_decode_lse or policy.uses_prefill_lse:
         return f"{policy.name} scores by re-reading every resident key, which KIVI pages do not offer in full precision"
     if policy.needs_prompt_tokens:
@@ -222,7 +223,10 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
     # A policy that moves resident slots does it after a prompt: one forward per prompt keeps those slots in full
     # precision until the compaction (module docstring).
     mode = policy.prefill_mode if policy.keeps_all_tokens else PrefillMode.WHOLE
-    return type(f"{policy.__name__}Kivi", (KiviStorageMixin, policy), {
+    # A sliding window slides a page at a time over KIVI storage (kivi_window.py)
+    bases = (KiviStorageMixin, PageWindowMixin, policy) if getattr(policy, "window_pages", False) else (
+        KiviStorageMixin, policy)
+    return type(f"{policy.__name__}Kivi", bases, {
         "__doc__": f"``{name}``: {policy.name} decides which tokens stay, KIVI stores them.", "__module__": __name__,
         "name": name, "config_class": config, "prefill_mode": mode})
 

@@ -56,6 +56,7 @@ class StreamingLLMRuntime(EvictionRuntime):
     config: StreamingLLMConfig
 
     victim_values = POSITIONS  # decode: the oldest token past the sinks, one op per layer
+    window_pages = True  # so streamingllm+kivi slides a page at a time (methods/kivi_window.py)
 
     @property
     def decode_interval(self) -> int:

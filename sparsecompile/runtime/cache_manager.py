@@ -326,6 +326,36 @@ class CacheManager(SharedPages, SlotAccess):
         self._host_lengths[rows, layers] = counts
         self._dirty_lengths.update(rows.tolist())
 
+    def drop_pages(self, rows: Sequence[int], layers: Sequence[int], index: int) -> None:
+        """Remove the page at list index ``index`` from each distinct ``(row, layer)`` pair: its ``page_size`` slots
+        leave and every later slot moves down by ``page_size``, by shifting the pair's block-table entries (the
+        pages keep their contents: K/V, positions and metadata move with them, nothing is rewritten); the page loses
+        one reference. A sliding window over a storage format whose slots must not be rewritten (KIVI's quantized
+        groups) slides this way. Checks every pair before changing anything."""
+        P = self.layout.page_size
+        rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
+        if not len(rows):
+            return
+        for row in set(rows.tolist()):
+            self._check_row(row)
+        before = self._host_lengths[rows, layers]
+        if (self._owned[rows, layers] <= index).any() or (before < (index + 1) * P).any():
+            raise ValueError(f"drop_pages: page {index} is not a full page of every pair")
+        if self.storage is not None:
+            for row, layer, old in zip(rows.tolist(), layers.tolist(), before.tolist()):
+                self.storage.on_drop_page(row, layer, old, index)
+        dropped = self._host_table[rows, layers, index].astype(np.int64)
+        owned = self._owned[rows, layers]
+        pair, moved = _runs(np.full(len(rows), index, dtype=np.int64), owned - 1 - index)  # new places index..
+        self._host_table[rows[pair], layers[pair], moved] = self._host_table[rows[pair], layers[pair], moved + 1]
+        self._host_table[rows, layers, owned - 1] = 0
+        self.allocator.free(dropped)
+        self._owned[rows, layers] = owned - 1
+        self._host_lengths[rows, layers] = before - P
+        self._new_entries.append(np.stack([rows[pair], layers[pair], moved,
+                                           self._host_table[rows[pair], layers[pair], moved]], axis=1))
+        self._dirty_lengths.update(rows.tolist())
+
     def flush(self) -> None:
         """Push host changes of block tables and slot counts to the device (before a step).
 

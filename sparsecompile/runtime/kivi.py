@@ -216,6 +216,18 @@ class KiviStorage:
         self.ring_k[ring][:, slots % self.spec.ring] = k[local // P, :, local % P].transpose(0, 1)
         self.ring_v[ring][:, slots % self.spec.ring] = v[local // P, :, local % P].transpose(0, 1)
 
+    def on_drop_page(self, row: int, layer: int, old: int, index: int) -> None:
+        """``CacheManager.drop_pages``: page ``index`` of ``(row, layer)`` leaves and later slots move down a page.
+        Quantized pages move whole (no group is re-quantized); the ring, indexed by slot, turns by a page so that
+        slot ``s - P`` finds what slot ``s`` held. Only a page below the residual may leave."""
+        P = self.manager.layout.page_size
+        if (index + 1) * P > int(self.spec.quantized(old)):
+            raise ValueError(f"kivi: page {index} of a list of {old} slots is not fully quantized "
+                             f"(the residual starts at slot {int(self.spec.quantized(old))}): it cannot be dropped")
+        ring = row * self.manager.layout.num_layers + layer
+        for t in (self.ring_k, self.ring_v):
+            t[ring] = torch.roll(t[ring], shifts=-P, dims=1)
+
     def commit_deferred(self, step: StepState) -> None:
         """After the method's ``commit_step`` (slot counts final): quantize the kept slots of every deferred layer
         from the full-precision buffer; rows whose slots moved are stored again from slot 0."""

@@ -225,7 +225,8 @@ class SlotAccess:
         newest positions goes, and the tail slot refills its hole (``kernels/evict_lowest.py``). The caller
         truncates those rows to ``counts - 1``. Not with a storage format (no method evicts in decode over one)."""
         if self.storage is not None:
-            raise TypeError("a KIVI-stored cache does not evict during decode (h2o+kivi, streamingllm+kivi: refused)")
+            raise TypeError("a KIVI-stored cache does not evict single tokens during decode (h2o+kivi: refused; "
+                            "streamingllm+kivi drops whole pages: CacheManager.drop_pages)")
         which = 2 if values is None else 3 + list(self.slot_metadata).index(values)
         evict_lowest_op(self._slot_pools(), which, self.block_table[rows, self.layer_key(layer)], counts, budget,
                         recent, first, width)
