@@ -45,13 +45,13 @@
 # views), user_points 131072x4 snapkv,h2o (0.968 / 0.982; h2o 0.949x snapkv) and streamingllm,pyramidkv (0.982 /
 # 0.922, one pair), 32768x16 streamingllm (0.984), then the selection tests (17 passed) + omnikv 128K x 4 through
 # generate() with radix by default (457.8 tok/s, 0.971, 2.44x vanilla).
-# Next: POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's last cells, ~7 min);
-# POINT=131072x4 METHODS=pyramidkv PAIRS=2 PROFILE=1 user_points (its 0.922 from one pair; generate() and engine
-# profiled side by side: where the 2-3 % between them goes, ~7 min); ops (kernel_bench: the
-# radix select at Quest's 32 rows of 8,208 against the bisection; if it wins, set topk_select.RADIX_FROM) as ops_b
-# (with first_argmax's GPU test and rows: 35 us a step for torch's argmax at every batch); test_export_cuda
-# alone; test_mixed_cuda; warm_programs (METHODS two a call) for the warm-process figures not measured yet. Then #14
-# can be closed with each miss explained.
+# Next: ops_b first (~3 min: the GPU tests of this session's CPU-built code, first_argmax and streamingllm+kivi's
+# CUDA-graph decode, and kernel_bench's argmax rows and the radix select at Quest's 32 rows of 8,208: if it wins, set
+# topk_select.RADIX_FROM); POINT=131072x1 NEW=513 REPEATS=2 METHODS=vanilla,quest,omnikv user_points (the table's
+# last cells, ~7 min); POINT=131072x4 METHODS=pyramidkv PAIRS=2 PROFILE=1 user_points (its 0.922 from one pair;
+# generate() and engine profiled side by side: where the 2-3 % between them goes, ~7 min); test_export_cuda alone;
+# test_mixed_cuda; warm_programs (METHODS two a call) for the warm-process figures not measured yet. Then #14 can be
+# closed with each miss explained.
 # 2026-12-04 ninth session: logits_sweep (the logits' launch: 49.6 us a layer vs 59.0 at 32K x 16 -> DECODE_LOGITS_CONFIGS;
 # h2o 2,408.5 vs snapkv 2,678.7 engine = 0.899x), user_points 32768x16 snapkv,h2o with it (0.947x through generate()),
 # logits_verify (mass + eviction GPU tests 15 passed; 128K x 4 vanilla 187.5 tok/s, quest cut by the timeout), then
@@ -618,10 +618,10 @@ kivi_capacity)  # #20: the largest batch at 128K of KM (default snapkv+kivi; sna
   timeout 560 python3 benchmarks/kivi_bench.py --quick --stage capacity --points ${KM:-snapkv+kivi}:131072x1 \
     --out "$OUT/kivi_capacity_h200_${KM:-snapkv+kivi}.jsonl" > "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" | cut -c1-600 ;;
-ops_b)  # #14: first_argmax (greedy sampling's argmax in two reductions) and the radix select at Quest's rows: GPU
-  # tests, then kernel_bench's ops rows (argmax torch vs first_argmax at batch 1 / 4 / 16; topk radix chunks) (~2 min)
-  timeout -s INT 150 $P tests/gpu/test_argmax_cuda.py tests/gpu/test_sampling_cuda.py \
-    tests/gpu/test_selection_cuda.py -k "argmax or sampl or topk" > "$OUT/gpu_tests_ops_b.log" 2>&1
+ops_b)  # #14: first_argmax (greedy sampling's argmax in two reductions) and the radix select at Quest's rows; #20:
+  # streamingllm+kivi's CUDA-graph decode against eager (its page drops): GPU tests, then kernel_bench's ops rows (argmax torch vs first_argmax at batch 1 / 4 / 16; topk radix chunks) (~2 min)
+  timeout -s INT 200 $P tests/gpu/test_argmax_cuda.py tests/gpu/test_sampling_cuda.py tests/gpu/test_kivi_cuda.py \
+    tests/gpu/test_selection_cuda.py -k "argmax or sampl or topk or streamingllm" > "$OUT/gpu_tests_ops_b.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_ops_b.log" | tail -4
   timeout -s INT 120 python3 benchmarks/kernel_bench.py --only ops --quick --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "^topk|^argmax" "$OUT/kernels_ops.log" | cut -c1-150 ;;
