@@ -21,4 +21,5 @@ DENSE_EQUIVALENT = {
     "snapkv+kivi": {"budget": 64, "residual": 64, "group_size": 16},
     # the window's floor is its pinned page plus the residual (16 + 64)
     "streamingllm+kivi": {"budget": 80, "residual": 64, "group_size": 16},
+    "kvzip+kivi": {"budget": 64, "residual": 64, "group_size": 16},
 }

@@ -131,8 +131,8 @@ def test_alias_conflicts(options, match):
 
 def test_compression_ratio_only_for_eviction_methods():
     _, model = tiny_pair()
-    with pytest.raises(MethodConfigError, match="applies to the eviction methods \\(h2o, kvzip, pyramidkv, "
-                                                "pyramidkv\\+kivi, snapkv, snapkv\\+kivi, streamingllm, "
+    with pytest.raises(MethodConfigError, match="applies to the eviction methods \\(h2o, kvzip, kvzip\\+kivi, "
+                                                "pyramidkv, pyramidkv\\+kivi, snapkv, snapkv\\+kivi, streamingllm, "
                                                 "streamingllm\\+kivi\\), "
                                                 "not to 'quest'"):
         sparsecompile.optimize(model, "quest", compression_ratio=0.5)

@@ -231,12 +231,12 @@ def test_option_errors_and_compositions():
         sparsecompile.optimize(model, "snapkv+kivi", budget=8, group_size=16, interval=2)
     for name, reason in (("quest+kivi", "selects pages"), ("omnikv+kivi", "selects pages"),
                          ("h2o+kivi", "evicts resident tokens during decode"),
-                         ("kvzip+kivi", "re-read the prompt"),
                          ("kivi+snapkv", "write the retention policy first"), ("kivi+kivi", "already stores"),
                          ("snapkv+int8", "not a storage format"), ("a+b+c", "one retention policy")):
         with pytest.raises(MethodConfigError, match=reason):
             method_class(name)
-    assert {"snapkv+kivi", "pyramidkv+kivi", "streamingllm+kivi", "kivi"} <= set(sparsecompile.available_methods())
+    assert {"snapkv+kivi", "pyramidkv+kivi", "streamingllm+kivi", "kvzip+kivi", "kivi"} <= set(
+        sparsecompile.available_methods())
     sparsecompile.optimize(model, "pyramidkv+kivi", budget=8, window=2, beta=2, bits=4, group_size=16, page_size=4)
     controller = sparsecompile.models.hf_patch.patched_model(model).controller
     assert controller.layout.page_size == 16  # pages hold whole key groups: max(page_size, group_size)

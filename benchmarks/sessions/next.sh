@@ -619,9 +619,9 @@ kivi_capacity)  # #20: the largest batch at 128K of KM (default snapkv+kivi; sna
     --out "$OUT/kivi_capacity_h200_${KM:-snapkv+kivi}.jsonl" > "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/kivi_capacity_${KM:-snapkv+kivi}.log" | cut -c1-600 ;;
 ops_b)  # #14: first_argmax (greedy sampling's argmax in two reductions) and the radix select at Quest's rows; #20:
-  # streamingllm+kivi's CUDA-graph decode against eager (its page drops): GPU tests, then kernel_bench's ops rows (argmax torch vs first_argmax at batch 1 / 4 / 16; topk radix chunks) (~2 min)
+  # streamingllm+kivi's and kvzip+kivi's CUDA-graph decode against eager: GPU tests, then kernel_bench's ops rows (argmax torch vs first_argmax at batch 1 / 4 / 16; topk radix chunks) (~2 min)
   timeout -s INT 200 $P tests/gpu/test_argmax_cuda.py tests/gpu/test_sampling_cuda.py tests/gpu/test_kivi_cuda.py \
-    tests/gpu/test_selection_cuda.py -k "argmax or sampl or topk or streamingllm" > "$OUT/gpu_tests_ops_b.log" 2>&1
+    tests/gpu/test_selection_cuda.py -k "argmax or sampl or topk or streamingllm or kvzip" > "$OUT/gpu_tests_ops_b.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_ops_b.log" | tail -4
   timeout -s INT 120 python3 benchmarks/kernel_bench.py --only ops --quick --out "$OUT" > "$OUT/kernels_ops.log" 2>&1
   echo "rc=$?"; grep -E "^topk|^argmax" "$OUT/kernels_ops.log" | cut -c1-150 ;;

@@ -79,13 +79,18 @@ class ReconstructionScorer:
         sorted_chunk = chunk.gather(-1, order)
         # the pass's own tokens right after the chosen entries (column width + q: a sink for the padding)
         offsets = step.new_offsets  # [batch, q], -1 = left padding
-        temp = m.global_slots(layer, step.rows, torch.where(offsets >= 0, count[:, None] + offsets, -1))
         H = m.layout.num_kv_heads
-        index = torch.cat([sorted_slots, sorted_slots.new_zeros(sorted_slots.shape[0], H, q + 1)], dim=-1)
-        target = torch.where(offsets >= 0, n_chosen[:, :, None] + offsets[:, None, :], width + q)
-        index = index.scatter(-1, target, temp.clamp(min=0)[:, None, :].expand(-1, H, -1))
+        temp = (count[:, None] + offsets.clamp(min=0))[:, None, :].expand(-1, H, -1)
+        # keys through the pass's view: the pool's slots, or (KIVI) those of its full-precision buffer
+        view, P = ctx.view, ctx.view.block_size
+        through = lambda local: view.index.long().gather(-1, local.clamp(min=0) // P) * P + local.clamp(min=0) % P
+        chosen_slots = through(sorted_local)
+        index = torch.cat([chosen_slots, chosen_slots.new_zeros(chosen_slots.shape[0], H, q + 1)], dim=-1)
+        # (the padding mask per row, broadcast over heads: [batch, 1, q], not [batch, q] against [batch, H, q])
+        target = torch.where((offsets >= 0)[:, None, :], n_chosen[:, :, None] + offsets[:, None, :], width + q)
+        index = index.scatter(-1, target, through(temp))
         lengths = n_chosen + step.num_new[:, None]
-        scores = kvzip_scores(ctx.query, m.k_pool, m.pos_pool, index.to(torch.int32), lengths.to(torch.int32),
+        scores = kvzip_scores(ctx.query, view.k_pool, view.pos_pool, index.to(torch.int32), lengths.to(torch.int32),
                               step.positions, 1, ctx.scale, ctx.sliding_window)
         self.store(layer, sorted_local, sorted_slots, scores[..., :width], sorted_chunk)
 

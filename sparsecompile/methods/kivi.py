@@ -8,21 +8,22 @@ quantized a group at a time as they age). Methods never see codes: their hooks r
 * ``method="kivi"``: every token stays (the ``vanilla`` policy) in KIVI storage.
 * ``method="<policy>+kivi"`` (parsed by ``registry.py``): the policy decides what stays, KIVI how it is stored; the
   options of both are accepted (``budget=2048, bits=2``). Accepted policies: those that move resident tokens only
-  when a prompt ends, then only append (``snapkv``, ``pyramidkv``), and a sliding window (``streamingllm``), which
-  over KIVI pages slides a page at a time (``kivi_window.py``).
+  when a prompt ends, then only append (``snapkv``, ``pyramidkv``), a sliding window (``streamingllm``), which
+  over KIVI pages slides a page at a time (``kivi_window.py``), and a policy that compacts after scoring passes
+  over the prompt (``kvzip``), whose prompt stays in full precision until then (:class:`ScoredPromptMixin`).
 
 How eviction stays correct over quantized storage (we chose "quantize only tokens that will never move again"):
 a KIVI key group is quantized per channel over consecutive slots, so moving one token in or out of a quantized group
 would re-quantize the group (and, repeated, compound the error). A composed policy's prompt is therefore prefilled in
 one forward (``PrefillMode.WHOLE``) whose slots stay in full precision until the policy's compaction has run; only
 the kept tokens are then quantized, once, and decode appends to the residual; a sliding window drops whole pages
-from the front of its unpinned tokens (the block table shifts, the ring turns; ``kivi_window.py``). Policies that
-evict anywhere during decode (``h2o``: evict-and-fill every step and after every prefill chunk, and it re-reads
-every key for its scores) and selection methods that read pages through their own key-scoring kernels (``quest``,
-``omnikv``) are refused with the reason (:func:`kivi_refusal`). What composing them would take: H2O's single-token
-evictions inside quantized groups would free memory only once a group empties (or re-quantize the group);
-``kvzip``'s scoring passes need the prompt kept in full precision across several steps (the deferral spans one step
-today).
+from the front of its unpinned tokens (the block table shifts, the ring turns; ``kivi_window.py``); KVzip's prompt
+is held in full precision through its scoring passes (``KiviStorage.hold``) and quantized after its compaction.
+Policies that evict anywhere during decode (``h2o``: evict-and-fill every step and after every prefill chunk, and
+it re-reads every key for its scores) and selection methods that read pages through their own key-scoring kernels
+(``quest``, ``omnikv``) are refused with the reason (:func:`kivi_refusal`). What composing H2O would take: its
+single-token evictions inside quantized groups free memory only once a group empties (or re-quantize the group),
+and its decode scores need the attention's logits, which the KIVI decode kernel does not write.
 
 Defaults follow KIVI's LongBench setting (group 32, residual 128, 2 bits; KIVI recommends 4 bits for GQA models);
 HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_length``.
@@ -155,11 +156,42 @@ class KiviStorageMixin:
 
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         super().prepare_step(manager, step)
-        manager.storage.begin_step(step, defer=bool(np.any(self.rewrites_resident(manager, step))))
+        manager.storage.begin_step(step, defer=self.defers_step(manager, step))
+
+    def defers_step(self, manager: CacheManager, step: StepState) -> bool:
+        """This step's slots stay in full precision until the policy has moved them (its compaction)."""
+        return bool(np.any(self.rewrites_resident(manager, step)))
 
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         super().commit_step(manager, step)  # the policy truncates to what it kept
+        self.finish_deferred(manager, step)
+
+    def finish_deferred(self, manager: CacheManager, step: StepState) -> None:
         manager.storage.commit_deferred(step)
+
+
+class ScoredPromptMixin:
+    """``<policy>+kivi`` for a policy that compacts a prompt after scoring passes over it (``kvzip``: its
+    re-read, then ``scoring_done``): the prompt's step is deferred and its full-precision buffers are held past it
+    (``KiviStorage.hold``), the passes read the prompt from them, the compaction moves entries in them, and only
+    then are the kept entries quantized, once (``release_held``; at once for prompts that fit the budget and are not
+    re-read). Placed before :class:`KiviStorageMixin` in the composed class."""
+
+    def defers_step(self, manager: CacheManager, step: StepState) -> bool:
+        return super().defers_step(manager, step) or bool(step.is_prefill and np.any(step.ends_prompt))
+
+    def finish_deferred(self, manager: CacheManager, step: StepState) -> None:
+        manager.storage.hold()
+
+    def scoring_passes(self, manager: CacheManager, rows: list[int]):
+        passes = super().scoring_passes(manager, rows)
+        scored = {row for p in passes for row in p.rows}
+        manager.storage.release_held([r for r in rows if r not in scored])  # kept whole: nothing to wait for
+        return passes
+
+    def scoring_done(self, manager: CacheManager, rows: list[int]) -> None:
+        super().scoring_done(manager, rows)  # the compaction, in the held buffers
+        manager.storage.release_held(rows)
 
 
 @register_method
@@ -196,7 +228,7 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
                 f"window (streamingllm+kivi), or use {policy.name} alone")
     if policy.uses_decode_lse or policy.uses_prefill_lse:
         return f"{policy.name} scores by re-reading every resident key, which KIVI pages do not offer in full precision"
-    if policy.needs_prompt_tokens:
+    if policy.needs_prompt_tokens and not getattr(policy, "compacts_after_scoring", False):
         return (f"{policy.name} scores in extra passes that re-read the prompt over the resident keys, which KIVI "
                 f"pages do not offer in full precision. Use {policy.name} alone, or snapkv+kivi")
     return None
@@ -224,8 +256,10 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
     # precision until the compaction (module docstring).
     mode = policy.prefill_mode if policy.keeps_all_tokens else PrefillMode.WHOLE
     # A sliding window slides a page at a time over KIVI storage (kivi_window.py)
+    # and a policy that compacts after scoring passes holds its prompt in full precision until then
     bases = (KiviStorageMixin, PageWindowMixin, policy) if getattr(policy, "window_pages", False) else (
-        KiviStorageMixin, policy)
+        (ScoredPromptMixin, KiviStorageMixin, policy) if getattr(policy, "compacts_after_scoring", False)
+        else (KiviStorageMixin, policy))
     return type(f"{policy.__name__}Kivi", bases, {
         "__doc__": f"``{name}``: {policy.name} decides which tokens stay, KIVI stores them.", "__module__": __name__,
         "name": name, "config_class": config, "prefill_mode": mode})

@@ -129,6 +129,9 @@ class KVzipRuntime(EvictionRuntime):
     config_class = KVzipConfig
     config: KVzipConfig
     needs_prompt_tokens: ClassVar[bool] = True
+    #: the prompt is compacted after its scoring passes (scoring_done), never by a step: kvzip+kivi holds the prompt in
+    #: full precision until then (methods/kivi.py, ScoredPromptMixin)
+    compacts_after_scoring: ClassVar[bool] = True
 
     def __init__(self, config: KVzipConfig, model: ModelInfo) -> None:
         super().__init__(config, model)

@@ -131,6 +131,10 @@ class KiviStorage:
         self._defer = False  # this prefill step moves resident slots: commits wait for commit_deferred
         self._step_rows: list[int] = []
         self._before: np.ndarray | None = None  # host slot counts before the deferred step [batch, layers]
+        # A deferred step's buffers kept past it (hold): layer -> W of the rows in _held_rows, in that order, until
+        # release_held quantizes them (KVzip's prompt stays in full precision through its scoring passes)
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._held_rows: list[int] = []
 
     # ------------------------------------------------------------------ tensors
     def allocate(self, num_pages: int, max_seqs: int) -> None:
@@ -202,7 +206,7 @@ class KiviStorage:
     def on_truncate(self, row: int, layer: int, old: int, new: int) -> None:
         """Keep the ring holding ``[Q(new), new)``: slots that were quantized go back to it (dequantized), except in a
         deferred step, whose commit rewrites everything it keeps."""
-        if self._defer and row in self._step_rows:
+        if (self._defer and row in self._step_rows) or row in self._held_rows:
             return
         lo, hi = int(self.spec.quantized(new)), min(int(self.spec.quantized(old)), new)
         if lo >= hi:
@@ -241,6 +245,47 @@ class KiviStorage:
             self._commit_from(layer, step.rows, wk, wv, start[:, layer], after[:, layer])
         self._work.clear()
         self._defer, self._before, self._step_rows = False, None, []
+
+    def hold(self) -> None:
+        """Instead of :meth:`commit_deferred`: keep the deferred step's full-precision buffers past the step. Later
+        prefill steps over those rows (scoring passes) read their history from them and quantize nothing of it, moves
+        (compaction) happen in them, truncations leave them alone, until :meth:`release_held`."""
+        if not self._defer:
+            return
+        work, rows = dict(self._work), list(self._step_rows)
+        if self._held_rows:  # another part of the same forward ended its prompt too: one buffer for both
+            def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                width = max(a.shape[2], b.shape[2])  # (the last column stays a trash column)
+                return torch.cat([torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in (a, b)])
+            work = {layer: tuple(joined(h, w) for h, w in zip(self._held[layer], work[layer])) for layer in work}
+            rows = self._held_rows + rows
+        self._held, self._held_rows = work, rows
+        self._work.clear()
+        self._defer, self._before, self._step_rows = False, None, []
+
+    def release_held(self, rows: list[int]) -> None:
+        """Quantize the held rows among ``rows`` from their buffers (slot counts final), once, from slot 0."""
+        mine = [r for r in rows if r in self._held_rows]
+        if not mine:
+            return
+        m, dev = self.manager, self.manager.layout.device
+        index = torch.tensor([self._held_rows.index(r) for r in mine], device=dev)
+        after = m.slot_count_array(mine)
+        for layer, (wk, wv) in sorted(self._held.items()):
+            self._commit_from(layer, torch.tensor(mine, device=dev), wk[index], wv[index],
+                              np.zeros(len(mine), dtype=np.int64), after[:, layer])
+        rest = [i for i, r in enumerate(self._held_rows) if r not in mine]
+        if not rest:
+            self._held, self._held_rows = {}, []
+            return
+        keep = torch.tensor(rest, device=dev)
+        self._held = {layer: (wk[keep], wv[keep]) for layer, (wk, wv) in self._held.items()}
+        self._held_rows = [self._held_rows[i] for i in rest]
+
+    def _held_index(self, row_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Positions in a step's batch of its held rows, and theirs in the held buffers."""
+        pairs = [(i, self._held_rows.index(r)) for i, r in enumerate(row_ids) if r in self._held_rows]
+        return [i for i, _ in pairs], [j for _, j in pairs]
 
     # ------------------------------------------------------------------ device, per layer
     def _ring_rows(self, layer: int, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,6 +349,14 @@ class KiviStorage:
             ring_idx = (j % self.spec.ring)[None, :].expand(batch, -1)
             k = torch.where(in_ring, self.ring_k[ring, :, ring_idx].transpose(1, 2).to(k.dtype), k)
             v = torch.where(in_ring, self.ring_v[ring, :, ring_idx].transpose(1, 2).to(v.dtype), v)
+        if self._held_rows and layer in self._held:  # held rows: their history is the held full-precision buffer
+            mine, theirs = self._held_index(step.row_ids)
+            if mine:
+                hk, hv = self._held[layer]
+                width = min(S, hk.shape[2] - 1)
+                at, src = torch.tensor(mine, device=key.device), torch.tensor(theirs, device=key.device)
+                k[at, :, :width] = hk[src, :, :width].to(k.dtype)
+                v[at, :, :width] = hv[src, :, :width].to(v.dtype)
         b = torch.arange(batch, device=key.device)[:, None].expand_as(local)
         dst = torch.where(local >= 0, local, S)  # padding -> dropped column S
         k = torch.cat([k, k.new_zeros(batch, H, 1, D)], 2)
@@ -328,6 +381,13 @@ class KiviStorage:
             wk, wv = self._work.pop(layer)
             counts = m.slot_count_array(step.row_ids)[:, layer]
             before = counts - np.asarray(step.num_new_host)
+            held = set(self._held_index(step.row_ids)[0]) if self._held_rows else set()
+            if held:  # held rows quantize nothing before release_held (a scoring pass's tokens are temporary)
+                free = [i for i in range(len(step.row_ids)) if i not in held]
+                if not free:
+                    return
+                at = torch.tensor(free, device=rows.device)
+                rows, wk, wv, counts, before = rows[at], wk[at], wv[at], counts[free], before[free]
             self._commit_from(layer, rows, wk, wv, self.spec.quantized(before), counts)
             return
         # decode: at most one group per row, read from the ring
@@ -374,10 +434,21 @@ class KiviStorage:
     def move(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V half of ``CacheManager.move_slots`` (``src, dst [batch, kv_heads, n]`` row-local, -1 skips): only in
         the full-precision buffer of a deferred step (quantized slots never move; see the module docstring)."""
+        if not self._defer and layer in self._held:  # compaction of held rows (host-driven, eager; a scoring pass's
+            # buffers, never committed, may linger in _work until the next step begins)
+            at = torch.tensor([self._held_rows.index(r) for r in rows.tolist()], device=src.device)
+            hk, hv = self._held[layer]
+            wk, wv = hk[at], hv[at]
+            self._move_in(wk, wv, src, dst)
+            hk[at], hv[at] = wk, wv
+            return
         if layer not in self._work:
             raise RuntimeError("kivi: resident slots can only move during a prefill step the method announced "
-                               "(KiviStorage.begin_step(defer=True)); quantized slots never move")
-        wk, wv = self._work[layer]
+                               "(KiviStorage.begin_step(defer=True)) or in rows it holds; quantized slots never move")
+        self._move_in(*self._work[layer], src, dst)
+
+    @staticmethod
+    def _move_in(wk: torch.Tensor, wv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         batch, H, trash, _ = wk.shape
         b = torch.arange(batch, device=src.device)[:, None, None].expand_as(src)
         h = torch.arange(H, device=src.device)[None, :, None].expand_as(src)

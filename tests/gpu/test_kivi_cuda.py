@@ -1,6 +1,6 @@
 """CUDA-only checks of KIVI storage (skipped without a GPU): the Triton quantize-on-write and decode attention
-against their torch references at the Llama-3.1-8B attention shape, and kivi / snapkv+kivi / streamingllm+kivi decode
-compiled and replayed as CUDA graphs equal to eager decode.
+against their torch references at the Llama-3.1-8B attention shape, and kivi and its compositions' decode compiled
+and replayed as CUDA graphs equal to eager decode.
 
 Tolerances: quantize-on-write is exact (same fp32 formulas, divisions rounded to nearest, casts to fp16 / bf16
 rounded to nearest), so codes, scales and zeros must be equal. Decode attention in bf16 runs its dots on bf16
@@ -92,7 +92,9 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
                                             ("kivi", dict(bits=4, residual=0, scale_dtype="bfloat16")),
                                             ("snapkv+kivi", dict(budget=96, window=8, bits=2, residual=32)),
                                             # the window drops a 32-slot page a row after 32 decode tokens
-                                            ("streamingllm+kivi", dict(budget=96, sinks=4, bits=2, residual=32))])
+                                            ("streamingllm+kivi", dict(budget=96, sinks=4, bits=2, residual=32)),
+                                            # the prompts re-read in full precision, compacted, then quantized
+                                            ("kvzip+kivi", dict(budget=96, chunk=64, bits=2, residual=32))])
 def test_kivi_decode_with_cuda_graphs_equals_eager(method, options):
     from tiny_models import left_padded_batch, tiny_config
     from torch._dynamo.utils import counters
