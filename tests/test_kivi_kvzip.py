@@ -30,7 +30,7 @@ def _run(method: str, **extra):
 
 
 def test_kvzip_kivi_keeps_kvzips_entries_and_quantizes_them_once():
-    dense, _ = _run("kvzip")
+    dense, dense_out = _run("kvzip")  # (the output holds the cache: its rows stay live)
     kivi, out = _run("kvzip+kivi", bits=BITS, group_size=G, residual=RESIDUAL)
     st, lay = kivi.storage, kivi.layout
     checked = 0
@@ -56,7 +56,7 @@ def test_kvzip_kivi_keeps_kvzips_entries_and_quantizes_them_once():
             assert torch.equal(got_k[0, :, :quantized], dequantize_keys(kc, ks, kz).flatten(1, 2))
             assert torch.equal(got_v[0, :, :quantized], dequantize_values(vc, vs, vz))
             checked += quantized
-    assert checked > 0
+    assert checked > 0 and dense_out.sequences.shape == out.sequences.shape
     stats = sparsecompile.kv_stats(out.cache if hasattr(out, "cache") else out.past_key_values)
     assert stats.resident_tokens == sum(len(p) for r in dense.live_rows for layer in range(lay.num_layers)
                                         for p in dense.retained_positions(r, layer))
@@ -92,3 +92,45 @@ def test_kvzip_kivi_serves_like_kvzip():
         stats = llm.llm_engine.stats()
         assert stats.free_pages == stats.total_pages
     assert [t[:7] for t in outs[0]] == [t[:7] for t in outs[1]]
+
+
+def test_held_buffers_of_two_parts_join_and_release_per_row():
+    """Two prompt parts of one mixed forward both held (``hold`` twice before the scoring passes): one buffer, padded
+    to the wider, rows in order; ``release_held`` quantizes each row from its own slice, from slot 0, and the rest
+    stay held."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    sparsecompile.optimize(model, "kvzip+kivi", bits=BITS, group_size=G, residual=RESIDUAL, **OPTIONS)
+    controller = patched_model(model).controller
+    controller.reserve(2, 96, 1)
+    manager, (a, b) = controller.manager, controller.add_sequences(2)
+    st, lay = manager.storage, manager.layout
+    H, D = lay.num_kv_heads, lay.head_dim
+    counts = {a: 64, b: 80}
+    manager.ensure_slots([a, b], [[counts[a]] * lay.num_layers, [counts[b]] * lay.num_layers])
+    manager.flush()  # (a step's start does this)
+    buffers = {}
+    for row, width in ((a, 64), (b, 96)):  # W [1, H, width + 1, D] per layer (the last column: trash)
+        st._defer, st._step_rows = True, [row]
+        st._work = {layer: (torch.randn(1, H, width + 1, D), torch.randn(1, H, width + 1, D))
+                    for layer in range(lay.num_layers)}
+        buffers[row] = dict(st._work)
+        st.hold()
+    assert st._held_rows == [a, b] and all(k.shape == (2, H, 97, D) for k, _ in st._held.values())
+    st.release_held([b])
+    assert st._held_rows == [a] and all(k.shape[0] == 1 for k, _ in st._held.values())
+    for layer in range(lay.num_layers):  # b's quantized prefix is KIVI's quantization of its own buffer
+        quantized = int(st.spec.quantized(counts[b]))
+        index = torch.as_tensor(manager._host_table[b, layer])[None, None, :].expand(1, H, -1)
+        got_k, got_v, _, _ = kivi_view_kv(*st.page_tensors(), manager.pos_pool, st.ring_k, st.ring_v,
+                                          torch.tensor([b * lay.num_layers + layer]), index,
+                                          torch.full((1, H), counts[b]), torch.tensor([quantized]), counts[b])
+        k, v = (t[0, :, :quantized] for t in buffers[b][layer])
+        kc, ks, kz = quantize_keys(k.unflatten(1, (quantized // G, G)), BITS, st.spec.scale_dtype)
+        assert torch.equal(got_k[0, :, :quantized], dequantize_keys(kc, ks, kz).flatten(1, 2))
+        vc, vs, vz = quantize_values(v, BITS, st.spec.scale_dtype, G)
+        assert torch.equal(got_v[0, :, :quantized], dequantize_values(vc, vs, vz))
+        # and its residual went to the ring in full precision
+        assert torch.equal(got_k[0, :, quantized:counts[b]], buffers[b][layer][0][0, :, quantized:counts[b]])
+    st.release_held([a])
+    assert st._held_rows == [] and st._held == {}
