@@ -255,11 +255,11 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
     # A policy that moves resident slots does it after a prompt: one forward per prompt keeps those slots in full
     # precision until the compaction (module docstring).
     mode = policy.prefill_mode if policy.keeps_all_tokens else PrefillMode.WHOLE
-    # A sliding window slides a page at a time over KIVI storage (kivi_window.py)
-    # and a policy that compacts after scoring passes holds its prompt in full precision until then
-    bases = (KiviStorageMixin, PageWindowMixin, policy) if getattr(policy, "window_pages", False) else (
-        (ScoredPromptMixin, KiviStorageMixin, policy) if getattr(policy, "compacts_after_scoring", False)
-        else (KiviStorageMixin, policy))
+    bases: tuple[type, ...] = (KiviStorageMixin, policy)
+    if getattr(policy, "window_pages", False):  # a sliding window slides a page at a time (kivi_window.py)
+        bases = (KiviStorageMixin, PageWindowMixin, policy)
+    elif getattr(policy, "compacts_after_scoring", False):  # its prompt held in full precision until the compaction
+        bases = (ScoredPromptMixin, KiviStorageMixin, policy)
     return type(f"{policy.__name__}Kivi", bases, {
         "__doc__": f"``{name}``: {policy.name} decides which tokens stay, KIVI stores them.", "__module__": __name__,
         "name": name, "config_class": config, "prefill_mode": mode})

@@ -7,7 +7,7 @@ over a group of consecutive slots). Here the window slides by whole pages instea
 * decode appends, as ``snapkv+kivi`` does (no eviction inside the compiled step);
 * after a step, a ``(row, layer)`` holding ``budget + P`` slots (``P`` the page size, a multiple of the KIVI group)
   gives up its first unpinned page: ``CacheManager.drop_pages`` shifts the block table (the page's ``P`` tokens leave,
-  every later page keeps its codes, scales and positions) and ``KiviStorage.on_drop_page`` turns the residual ring
+  every later page keeps its codes, scales and positions) and ``KiviStorage.on_drop_pages`` turns the residual ring
   by ``P`` slots. Between steps a layer holds ``budget`` to ``budget + P - 1`` tokens (StreamingLLM: ``budget``);
 * the pinned pages are the first ``ceil(sinks / P)``: the sinks and, when ``sinks`` is not a multiple of ``P``,
   the oldest tokens kept after them share a page that never leaves (``sinks=4``, ``P=32``: the first 32 kept tokens);

@@ -342,8 +342,7 @@ class CacheManager(SharedPages, SlotAccess):
         if (self._owned[rows, layers] <= index).any() or (before < (index + 1) * P).any():
             raise ValueError(f"drop_pages: page {index} is not a full page of every pair")
         if self.storage is not None:
-            for row, layer, old in zip(rows.tolist(), layers.tolist(), before.tolist()):
-                self.storage.on_drop_page(row, layer, old, index)
+            self.storage.on_drop_pages(rows, layers, before, index)
         dropped = self._host_table[rows, layers, index].astype(np.int64)
         owned = self._owned[rows, layers]
         pair, moved = _runs(np.full(len(rows), index, dtype=np.int64), owned - 1 - index)  # new places index..

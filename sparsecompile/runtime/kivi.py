@@ -220,17 +220,20 @@ class KiviStorage:
         self.ring_k[ring][:, slots % self.spec.ring] = k[local // P, :, local % P].transpose(0, 1)
         self.ring_v[ring][:, slots % self.spec.ring] = v[local // P, :, local % P].transpose(0, 1)
 
-    def on_drop_page(self, row: int, layer: int, old: int, index: int) -> None:
-        """``CacheManager.drop_pages``: page ``index`` of ``(row, layer)`` leaves and later slots move down a page.
-        Quantized pages move whole (no group is re-quantized); the ring, indexed by slot, turns by a page so that
-        slot ``s - P`` finds what slot ``s`` held. Only a page below the residual may leave."""
+    def on_drop_pages(self, rows: np.ndarray, layers: np.ndarray, old: np.ndarray, index: int) -> None:
+        """``CacheManager.drop_pages``: page ``index`` of each ``(row, layer)`` pair (``old`` slots) leaves and later
+        slots move down a page. Quantized pages move whole (no group is re-quantized); each pair's ring, indexed by
+        slot, turns by a page so that slot ``s - P`` finds what slot ``s`` held (all pairs in one gather). Only a
+        page below the residual may leave."""
         P = self.manager.layout.page_size
-        if (index + 1) * P > int(self.spec.quantized(old)):
-            raise ValueError(f"kivi: page {index} of a list of {old} slots is not fully quantized "
-                             f"(the residual starts at slot {int(self.spec.quantized(old))}): it cannot be dropped")
-        ring = row * self.manager.layout.num_layers + layer
+        short = (index + 1) * P > self.spec.quantized(old)
+        if short.any():
+            raise ValueError(f"kivi: page {index} of a list of {int(old[short][0])} slots is not fully quantized "
+                             f"(the residual starts at slot {int(self.spec.quantized(old[short][0]))}): it cannot "
+                             "be dropped")
+        ring = to_device(rows * self.manager.layout.num_layers + layers, self.manager.layout.device)
         for t in (self.ring_k, self.ring_v):
-            t[ring] = torch.roll(t[ring], shifts=-P, dims=1)
+            t[ring] = torch.roll(t[ring], shifts=-P, dims=2)
 
     def commit_deferred(self, step: StepState) -> None:
         """After the method's ``commit_step`` (slot counts final): quantize the kept slots of every deferred layer
@@ -269,7 +272,7 @@ class KiviStorage:
         if not mine:
             return
         m, dev = self.manager, self.manager.layout.device
-        index = torch.tensor([self._held_rows.index(r) for r in mine], device=dev)
+        index = torch.tensor(self._held_index(mine)[1], device=dev)
         after = m.slot_count_array(mine)
         for layer, (wk, wv) in sorted(self._held.items()):
             self._commit_from(layer, torch.tensor(mine, device=dev), wk[index], wv[index],
@@ -436,7 +439,7 @@ class KiviStorage:
         the full-precision buffer of a deferred step (quantized slots never move; see the module docstring)."""
         if not self._defer and layer in self._held:  # compaction of held rows (host-driven, eager; a scoring pass's
             # buffers, never committed, may linger in _work until the next step begins)
-            at = torch.tensor([self._held_rows.index(r) for r in rows.tolist()], device=src.device)
+            at = torch.tensor(self._held_index(rows.tolist())[1], device=src.device)
             hk, hv = self._held[layer]
             wk, wv = hk[at], hv[at]
             self._move_in(wk, wv, src, dst)
