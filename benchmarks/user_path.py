@@ -197,7 +197,8 @@ def warm_process_extra(args: argparse.Namespace, method: str, context: int, batc
         print(done.stderr[-2000:], file=sys.stderr)
         return None
     row = json.loads(line[len("CHILD "):])
-    print(f"warm process compile phases ({method}): {row['compile_phases_s']}", flush=True)
+    print(f"warm process compile phases ({method}): {row['compile_phases_s']}; decode step: "
+          f"{row['decode_step_notes']}; model built in {row['build_s']:.1f} s", flush=True)
     return row["first_call_extra_s"]
 
 

@@ -39,6 +39,12 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 eleventh session: ops_b (27 GPU tests passed: first_argmax, sampling, streamingllm+kivi / kvzip+kivi
+# CUDA graphs vs eager, selection; argmax 15.5 vs 28.8 us; radix at Quest's 32 x 8,208 rows 41.7 us vs bisect 18.0:
+# RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv
+# PAIRS=2 PROFILE=1 (0.969), warm_programs streamingllm,snapkv and pyramidkv,quest,omnikv (0.14-0.21 s; pyramidkv 6.6).
+# Next: test_export_cuda alone; test_mixed_cuda; the GPU cases of h2o+kivi (test_kivi_cuda -k h2o, the logits-writing
+# KIVI decode kernel) and its kernel_bench rows; #18 on the two-GPU kind when lent.
 # 2026-12-04 tenth session: topk_radix (the tests' import was wrong: 5 failed; the radix select 51.8 us vs 202.2 at
 # 131K x 4 rows, omnikv 128K x 4 engine 442.6 -> 466.9 tok/s -> LONG_SEARCH = "radix", chunk 2048), gemv (templates
 # beat cuBLAS at batch 1 by 2-14 %; the step with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 fails to compile: fused q/k/v
