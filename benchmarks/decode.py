@@ -60,6 +60,7 @@ METHOD_OPTIONS = {
     "kivi2": {"method": "kivi", "bits": 2},
     "kivi4": {"method": "kivi", "bits": 4},
     "snapkv+kivi": {"budget": 2048, "bits": 2},
+    "h2o+kivi": {"budget": 2048, "bits": 2},
     "snapkv+kivi-r32": {"method": "snapkv+kivi", "budget": 2048, "bits": 2, "residual": 32},
 }
 

@@ -101,6 +101,18 @@ def kivi_rows(copies: int = 3, iters: int = 20, sweep: bool = False) -> list[dic
                 print(json.dumps(rows[-1]))
             del sets
             torch.cuda.empty_cache()
+    # h2o+kivi's decode: a budget-sized list (2,048 + one group), the attention alone and writing its logits
+    for batch in (1, 16, 64):
+        context = 2048 + G
+        sets = decode_inputs(batch, context, 2, copies)
+        for logits in (False, True):
+            seconds = time_graph([lambda a=a, w=logits: kivi_decode_attention_triton(*a, with_logits=w)
+                                  for a in sets], iters)
+            rows.append({"kernel": "kivi_decode_attention 2-bit" + (" with logits" if logits else ""),
+                         "batch": batch, "context": context, "MB_read": decode_bytes(batch, context, 2) / 1e6,
+                         "us": seconds * 1e6})
+            print(json.dumps(rows[-1]))
+        del sets
     for groups, label in ((64 * 1, "decode commit, 64 sequences x 1 group"),
                           (2048 // G, "prefill commit, 2048 tokens")):
         try:

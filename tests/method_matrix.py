@@ -22,4 +22,6 @@ DENSE_EQUIVALENT = {
     # the window's floor is its pinned page plus the residual (16 + 64)
     "streamingllm+kivi": {"budget": 80, "residual": 64, "group_size": 16},
     "kvzip+kivi": {"budget": 64, "residual": 64, "group_size": 16},
+    # the group eviction's floor is the residual plus one group (64 + 16)
+    "h2o+kivi": {"budget": 80, "residual": 64, "group_size": 16},
 }

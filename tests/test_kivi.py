@@ -13,6 +13,8 @@ from sparsecompile.config import EngineConfig, MethodConfigError
 from sparsecompile.kernels import kivi_quant as kq
 from sparsecompile.kernels.kivi_attention import kivi_view_kv
 from sparsecompile.methods import build_runtime, method_class
+from sparsecompile.methods.h2o import H2ORuntime
+from sparsecompile.methods.kivi import kivi_refusal
 from sparsecompile.runtime.controller import SparseController
 from sparsecompile.runtime.model_info import ModelInfo
 
@@ -227,16 +229,19 @@ def test_option_errors_and_compositions():
         sparsecompile.optimize(model, "kivi")  # group 32 > head_dim 16
     with pytest.raises(MethodConfigError, match="pass exactly one of budget"):
         sparsecompile.optimize(model, "snapkv+kivi", group_size=16)
-    with pytest.raises(MethodConfigError, match=r"option of method\(s\) h2o, not of 'snapkv\+kivi'"):
+    with pytest.raises(MethodConfigError, match=r"option of method\(s\) h2o, h2o\+kivi, not of 'snapkv\+kivi'"):
         sparsecompile.optimize(model, "snapkv+kivi", budget=8, group_size=16, interval=2)
     for name, reason in (("quest+kivi", "selects pages"), ("omnikv+kivi", "selects pages"),
-                         ("h2o+kivi", "evicts resident tokens during decode"),
                          ("kivi+snapkv", "write the retention policy first"), ("kivi+kivi", "already stores"),
                          ("snapkv+int8", "not a storage format"), ("a+b+c", "one retention policy")):
         with pytest.raises(MethodConfigError, match=reason):
             method_class(name)
-    assert {"snapkv+kivi", "pyramidkv+kivi", "streamingllm+kivi", "kvzip+kivi", "kivi"} <= set(
+    assert {"snapkv+kivi", "pyramidkv+kivi", "streamingllm+kivi", "kvzip+kivi", "h2o+kivi", "kivi"} <= set(
         sparsecompile.available_methods())
+    # a policy evicting single tokens during decode without the attention's logits to score by: refused (H2O's own
+    # composition evicts key groups, scored from the KIVI kernel's logits: tests/test_kivi_h2o.py)
+    assert "evicts resident tokens during decode" in kivi_refusal(
+        type("BlindH2O", (H2ORuntime,), {"uses_decode_logits": False, "name": "blind"}))
     sparsecompile.optimize(model, "pyramidkv+kivi", budget=8, window=2, beta=2, bits=4, group_size=16, page_size=4)
     controller = sparsecompile.models.hf_patch.patched_model(model).controller
     assert controller.layout.page_size == 16  # pages hold whole key groups: max(page_size, group_size)

@@ -12,6 +12,7 @@ import torch
 from sparsecompile.kernels import kivi_quant as kq
 from sparsecompile.kernels.kivi_attention import (
     fast_path_supported,
+    kivi_decode_attention_logits_reference,
     kivi_decode_attention_reference,
     kivi_decode_attention_triton,
     kivi_view_kv,
@@ -197,6 +198,44 @@ def test_triton_decode_matches_reference(bits, splits):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 60])
+def test_logits_reference_gives_each_slots_probability(window):
+    """The logits op (H2O over KIVI): the same output as the attention; ``exp(logits - lse)`` is, per query head and
+    view position, the softmax probability of the dequantized key (0 where unseen: past the list, the emptied slot,
+    outside the window), and the probabilities sum to one."""
+    args = decode_case(window=window)
+    query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, rows, index, lengths, quant, qpos = \
+        args[:15]
+    out, lse, logits = kivi_decode_attention_logits_reference(*args)
+    torch.testing.assert_close(out, kivi_decode_attention_reference(*args), atol=1e-6, rtol=1e-6)
+    span = index.shape[2] * PAGE
+    assert logits.shape == (2, 2 * HEADS, span) and lse.shape == (2, 2 * HEADS, 1)
+    k, _, pos, valid = kivi_view_kv(*args[1:14], span=span)
+    for b in range(2):
+        for qh in range(2 * HEADS):
+            h, q = qh // 2, query[b, qh, 0].float()
+            ok = valid[b, h] & (pos[b, h] >= 0) & (pos[b, h] <= qpos[b, 0])
+            if window:
+                ok &= pos[b, h] > qpos[b, 0] - window
+            want = torch.where(ok, torch.softmax(torch.where(ok, k[b, h] @ q * 0.25, -math.inf), 0), 0.0)
+            torch.testing.assert_close((logits[b, qh] - lse[b, qh]).exp(), want, atol=1e-6, rtol=1e-5)
+            assert torch.isneginf(logits[b, qh][~ok]).all() and ok[int(lengths[b, 0]):].sum() == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,splits", [(2, 3), (4, 1)])
+def test_triton_logits_match_reference(bits, splits):
+    """The kernel's logits and log-sum-exp (one split: written by the kernel; three: by the combine) against the
+    reference, -inf at the same places."""
+    args = decode_case(bits=bits, window=60 if splits == 3 else 0, seed=bits)
+    want = kivi_decode_attention_logits_reference(*args)
+    got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, with_logits=True)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    assert torch.equal(torch.isneginf(got[2]), torch.isneginf(want[2]))
+
+
 def test_wave_splits_fill_one_wave_from_below():
     """The launch's split count (an H200's 132 SMs off CUDA): one wave of 8 programs an SM, rounded down, each split at
     least ``min_slots`` long, never zero."""
@@ -234,3 +273,4 @@ def test_opcheck_kivi_ops():
     torch.library.opcheck(torch.ops.sparsecompile.kivi_dequantize.default,
                           (*pages, torch.tensor([[2, 4]]), torch.float32))
     torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default, decode_case(long=40))
+    torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention_logits.default, decode_case(long=40))

@@ -11,7 +11,7 @@ from .h2o_scores import (
     h2o_accumulate_lse_reference,
     h2o_accumulate_reference,
 )
-from .kivi_attention import kivi_decode_attention, kivi_decode_attention_reference
+from .kivi_attention import kivi_decode_attention, kivi_decode_attention_logits, kivi_decode_attention_reference
 from .kivi_quant import kivi_dequantize, kivi_quantize, kivi_quantize_reference
 from .kv_write import kv_write, kv_write_bounds, kv_write_reference
 from .kvzip_scores import kvzip_scores, kvzip_scores_reference
@@ -39,7 +39,8 @@ __all__ = [
     "quest_page_scores_reference", "topk_select", "topk_select_reference",
     "h2o_accumulate", "h2o_accumulate_reference", "h2o_accumulate_lse", "h2o_accumulate_lse_reference",
     "attention_lse_reference", "kvzip_scores", "kvzip_scores_reference", "snapkv_scores", "snapkv_scores_reference",
-    "kivi_decode_attention", "kivi_decode_attention_reference", "kivi_dequantize", "kivi_quantize",
+    "kivi_decode_attention", "kivi_decode_attention_logits", "kivi_decode_attention_reference", "kivi_dequantize",
+    "kivi_quantize",
     "kivi_quantize_reference", "evict_lowest", "evict_lowest_reference", "move_slots", "move_slots_reference",
     "decode_logits_reference", "paged_attention_logits", "h2o_accumulate_logits", "h2o_accumulate_logits_reference",
 ]

@@ -61,6 +61,21 @@ def kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, r
     return (torch.where(in_ring, rk, k), torch.where(in_ring, rv, v), torch.where(valid, pos, -1), valid)
 
 
+def _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
+                      lengths, quantized, q_positions, scale: float, sliding_window: int,
+                      span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled fp32 logits ``[batch, kv_heads, group * queries, span]`` (row ``g * T + t``; -inf where unseen) and the
+    values ``[batch, kv_heads, span, D]`` of the first ``span`` slots of every list."""
+    batch, q_heads, queries, dim = query.shape
+    heads = index.shape[1]
+    k, v, kpos, valid = kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
+                                     index, lengths, quantized, span)
+    q = query.float().reshape(batch, heads, q_heads // heads * queries, dim)
+    mask = visibility(kpos, valid, q_positions.repeat(1, q_heads // heads), sliding_window)  # [B, H, g*T, span]
+    logits = torch.einsum("bhqd,bhnd->bhqn", q, k) * scale
+    return logits.masked_fill(~mask, float("-inf")), v
+
+
 def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                     ring_rows, index, lengths, quantized, q_positions, scale: float,
                                     sliding_window: int, span: int | None = None) -> torch.Tensor:
@@ -79,22 +94,41 @@ def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, 
         ``[batch, queries, q_heads, D]`` in ``query.dtype``.
     """
     batch, q_heads, queries, dim = query.shape
-    heads = index.shape[1]
-    group = q_heads // heads
     if span is None:
         span = int(lengths.max()) if lengths.numel() else 0
     out = torch.zeros(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     if span == 0:
         return out
-    k, v, kpos, valid = kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
-                                     index, lengths, quantized, span)
-    q = query.float().reshape(batch, heads, group * queries, dim)
-    mask = visibility(kpos, valid, q_positions.repeat(1, group), sliding_window)  # [B, H, g*T, span]
-    logits = torch.einsum("bhqd,bhnd->bhqn", q, k) * scale
-    logits = logits.masked_fill(~mask, float("-inf"))
+    logits, v = _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
+                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, span)
     probs = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)  # a query that sees nothing returns zeros
     o = torch.einsum("bhqn,bhnd->bhqd", probs, v)  # [B, H, g*T, D], row = g * T + t
     return o.reshape(batch, q_heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def kivi_decode_attention_logits_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k,
+                                           ring_v, ring_rows, index, lengths, quantized, q_positions, scale: float,
+                                           sliding_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kivi_decode_attention_reference` for one decode query per sequence, plus what a method that scores by
+    attention probabilities reads (H2O over KIVI storage): each query's log-sum-exp ``[batch, q_heads, 1]`` fp32 and
+    its scaled logits per view position ``[batch, q_heads, pages * P]`` fp32, -inf where unseen (past ``lengths``
+    included), so that ``exp(logits - lse)`` is the probability the attention gave the slot; the logits of quantized
+    slots are those of their dequantized keys. Sync-free: every slot of the view's capacity is rebuilt."""
+    _check_one_query(query)
+    batch, q_heads, _, dim = query.shape
+    span = index.shape[2] * kcode.shape[2]
+    logits, v = _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
+                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, span)
+    lse = torch.logsumexp(logits, -1)  # [B, H, g]: -inf for a query that sees nothing
+    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
+    out = torch.einsum("bhqn,bhnd->bhqd", probs, v).reshape(batch, q_heads, 1, dim).transpose(1, 2)
+    return (out.to(query.dtype).contiguous(), lse.reshape(batch, q_heads, 1).contiguous(),
+            logits.reshape(batch, q_heads, span).contiguous())
+
+
+def _check_one_query(query: torch.Tensor) -> None:
+    if query.shape[2] != 1:
+        raise ValueError(f"kivi_decode_attention_logits: one decode query per sequence, got {query.shape[2]}")
 
 
 def _code_asm(bits: int, shift: int, dtype: torch.dtype, scaled: bool = True) -> str:
@@ -205,15 +239,16 @@ if triton is not None:
 
     @triton.jit
     def _kivi_decode_kernel(Q, KC, VC, KS, KZ, VS, VZ, POS, RK, RV, RROWS, INDEX, LENGTHS, QUANT, QPOS,
-                            OUT, MID_O, MID_LSE,
+                            OUT, MID_O, MID_LSE, LOGITS, LSE,
                             stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_lb, stride_lh, stride_pb,
                             stride_rr, stride_rh, stride_rs, stride_ob, stride_ot, stride_oh,
-                            scale, window, num_queries,
+                            scale, window, num_queries, logits_span,
                             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, BITS: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_F: tl.constexpr, C: tl.constexpr, NUM_SPLITS: tl.constexpr, DT: tl.constexpr,
                             ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
-                            VSM0: tl.constexpr, VSM1: tl.constexpr, VSM2: tl.constexpr, VSM3: tl.constexpr):
+                            VSM0: tl.constexpr, VSM1: tl.constexpr, VSM2: tl.constexpr, VSM3: tl.constexpr,
+                            WRITE_LOGITS: tl.constexpr):
         """One program: every query row of one (sequence, kv_head) over one split of its slots, computed transposed
         so the stored codes are the MMAs' first operand: ``s^T [slots, rows] = sum_i K_i [slots, C] . q_i^T`` and
         ``o_i^T [C, rows] += V_i^T [C, slots] . p^T`` per channel chunk ``i``. The compiler then moves the packed
@@ -223,7 +258,9 @@ if triton is not None:
         element pair; they are applied on the probabilities' side instead: ``V_i = codes_i * scale_g + zero_g``
         (``g`` the chunk's value group) gives ``o_i^T += codes_i . (p * scale_g)^T + sum_s zero_g[s] p[s]``, the
         codes exact floats (``VSM_i``) and the zeros' share of every group one small MMA a tile (``zacc``), added to
-        the group's channels after the loops."""
+        the group's channels after the loops. ``WRITE_LOGITS`` (one query per sequence): every visible slot's
+        scaled logit (natural units, -inf where masked) goes to ``LOGITS [batch, q_heads, logits_span]`` and, with
+        one split, each row's log-sum-exp to ``LSE`` (with several, the combine kernel writes it)."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // KV_HEADS
@@ -280,6 +317,9 @@ if triton is not None:
                 s = _mma(_key_chunk(kb1, ks + 3 * C, kz + 3 * C, (3 * C // B) * BITS, BITS, ASM3, DT, G, C), q3, s, DT)
             kpos = tl.load(POS + slot)
             s = tl.where(tl.trans(visible(kpos, qpos, window)), s, float("-inf"))
+            if WRITE_LOGITS:  # base-2 logits back to natural units
+                tl.store(LOGITS + (b * (KV_HEADS * GROUP) + qh)[None, :] * logits_span + (start + tok)[:, None],
+                         s * 0.6931471805599453, mask=row_ok[None, :])
             m_i, alpha, p, l_q = _online(s, m_i, l_q)
             vb0 = tl.load(VC + slot[None, :] * B + c[:, None])  # [C, G] bytes
             vb1 = vb0
@@ -312,6 +352,9 @@ if triton is not None:
             page = tl.load(index + j // PAGE, mask=jm, other=0).to(tl.int64)
             kpos = tl.load(POS + (page * KV_HEADS + h) * PAGE + j % PAGE, mask=jm, other=-1)
             s = tl.where(tl.trans(visible(kpos, qpos, window)) & jm[:, None], s, float("-inf"))
+            if WRITE_LOGITS:
+                tl.store(LOGITS + (b * (KV_HEADS * GROUP) + qh)[None, :] * logits_span + j[:, None],
+                         s * 0.6931471805599453, mask=jm[:, None] & row_ok[None, :])
             m_i, alpha, p, l_f = _online(s, m_i, l_f)
             l_q *= alpha[None, :]
             zacc *= alpha[None, :]
@@ -332,6 +375,9 @@ if triton is not None:
         if NUM_SPLITS == 1:
             o = OUT + b * stride_ob + t[None, :] * stride_ot + qh[None, :] * stride_oh + c[:, None]
             ty = OUT.dtype.element_ty
+            if WRITE_LOGITS:
+                tl.store(LSE + (b * (KV_HEADS * GROUP) + qh) * num_queries + t,
+                         natural_lse(m_i * 0.6931471805599453, l_i), mask=row_ok)
         else:
             mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + t) * NUM_SPLITS + split
             tl.store(MID_LSE + mid, natural_lse(m_i * 0.6931471805599453, l_i), mask=row_ok)  # m_i is base 2
@@ -384,13 +430,18 @@ def _asm_strings(bits: int, dim: int, group: int, query_dtype: torch.dtype, on_g
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, *,
-                                 num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """Triton launch with the semantics of :func:`kivi_decode_attention_reference`."""
+                                 num_splits: int | None = None, config: dict | None = None, with_logits: bool = False):
+    """Triton launch with the semantics of :func:`kivi_decode_attention_reference` (``with_logits``: of
+    :func:`kivi_decode_attention_logits_reference`, the output, log-sum-exp and logits)."""
     batch, q_heads, queries, dim = query.shape
     heads, page_size = kcode.shape[1], kcode.shape[2]
     group_size = page_size // kscale.shape[2]
     group = q_heads // heads
     bits = storage_bits(kcode, dim)
+    if with_logits and (not fast_path_supported(group_size, dim, bits) or group > 64):
+        return kivi_decode_attention_logits_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool,
+                                                      ring_k, ring_v, ring_rows, index, lengths, quantized,
+                                                      q_positions, scale, sliding_window)
     if not fast_path_supported(group_size, dim, bits) or queries * group > 64:  # torch, sync-free: every slot
         return kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k,
                                                ring_v, ring_rows, index, lengths, quantized, q_positions, scale,
@@ -406,34 +457,56 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
     else:
         mid_o = mid_lse = out
+    if with_logits:  # slots no split reaches (past a list's length) stay -inf
+        logits = torch.full((batch, q_heads, span), float("-inf"), dtype=torch.float32, device=query.device)
+        lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device)
+    else:
+        logits = lse = out
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
     asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
     _kivi_decode_kernel[(batch * heads, splits)](
         query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
         ring_v, ring_rows.contiguous(), index, lengths, quantized.contiguous(), q_positions, out, mid_o, mid_lse,
+        logits, lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0),
         ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        float(scale), int(sliding_window), queries,
+        float(scale), int(sliding_window), queries, span,
         KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
         BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
         ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6], VSM3=asm[7],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WRITE_LOGITS=with_logits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
-            mid_o, mid_lse, out, out, out.stride(0), out.stride(1), out.stride(2), queries,
+            mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), queries,
             Q_HEADS=q_heads, HEAD_DIM=dim, BLOCK_D=dim, NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=False,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_logits,
         )
-    return out
+    return (out, lse, logits) if with_logits else out
 
 
 def _fake(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,
           quantized, q_positions, scale, sliding_window):
     batch, q_heads, queries, dim = query.shape
     return query.new_empty(batch, queries, q_heads, dim)
+
+
+def _triton_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
+                   lengths, quantized, q_positions, scale, sliding_window):
+    _check_one_query(query)
+    return kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
+                                        ring_rows, index, lengths, quantized, q_positions, scale, sliding_window,
+                                        with_logits=True)
+
+
+def _fake_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
+                 lengths, quantized, q_positions, scale, sliding_window):
+    _check_one_query(query)
+    batch, q_heads, queries, dim = query.shape
+    return (query.new_empty(batch, queries, q_heads, dim), query.new_empty(batch, q_heads, 1, dtype=torch.float32),
+            query.new_empty(batch, q_heads, index.shape[2] * kcode.shape[2], dtype=torch.float32))
 
 
 kivi_decode_attention = define_op(
@@ -443,4 +516,17 @@ kivi_decode_attention = define_op(
     cpu=kivi_decode_attention_reference,
     cuda=kivi_decode_attention_triton if triton is not None else None,
     fake=_fake,
+)
+
+#: The same attention for one decode query per sequence, also returning each query's log-sum-exp and its scaled
+#: logits per view position (``[batch, q_heads, pages * P]``, -inf where unseen): H2O's decode scores over KIVI
+#: storage (``h2o+kivi``) read them instead of the keys a second time.
+kivi_decode_attention_logits = define_op(
+    "kivi_decode_attention_logits(Tensor query, Tensor kcode, Tensor vcode, Tensor kscale, Tensor kzero, "
+    "Tensor vscale, Tensor vzero, Tensor pos_pool, Tensor ring_k, Tensor ring_v, Tensor ring_rows, Tensor index, "
+    "Tensor lengths, Tensor quantized, Tensor q_positions, float scale, int sliding_window) -> "
+    "(Tensor out, Tensor lse, Tensor logits)",
+    cpu=kivi_decode_attention_logits_reference,
+    cuda=_triton_logits if triton is not None else None,
+    fake=_fake_logits,
 )

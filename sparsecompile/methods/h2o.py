@@ -116,7 +116,19 @@ class H2ORuntime(EvictionRuntime):
             manager.scatter_slots(scores, torch.where(valid, slots, -1), torch.zeros_like(slots, dtype=scores.dtype))
 
     def on_attention_end(self, ctx: LayerContext, out: torch.Tensor) -> None:
-        v, score = ctx.view, ctx.manager.slot_metadata[SCORE]
+        score = ctx.manager.slot_metadata[SCORE]
+        if ctx.view.pool_pages is None:
+            self._accumulate(ctx, score)
+            return
+        # a view over pages of its own (KIVI's prefill, h2o+kivi): accumulate in their shape, then into the pool's
+        local = torch.zeros(ctx.view.pos_pool.shape, dtype=score.dtype, device=score.device)
+        self._accumulate(ctx, local)
+        score.index_add_(0, ctx.view.pool_pages, local)  # a page named twice is a padding page: it adds zeros
+
+    @staticmethod
+    def _accumulate(ctx: LayerContext, score: torch.Tensor) -> None:
+        """Add this step's attention probabilities to ``score`` (slot metadata in the view's page layout)."""
+        v = ctx.view
         if ctx.logits is not None:  # decode: the probabilities from the attention's own logits
             h2o_accumulate_logits(score, ctx.logits, ctx.lse, v.index, v.lengths, v.block_size)
         elif ctx.lse is not None:  # prefill: the attention's normaliser, one pass over the keys

@@ -9,21 +9,21 @@ quantized a group at a time as they age). Methods never see codes: their hooks r
 * ``method="<policy>+kivi"`` (parsed by ``registry.py``): the policy decides what stays, KIVI how it is stored; the
   options of both are accepted (``budget=2048, bits=2``). Accepted policies: those that move resident tokens only
   when a prompt ends, then only append (``snapkv``, ``pyramidkv``), a sliding window (``streamingllm``), which
-  over KIVI pages slides a page at a time (``kivi_window.py``), and a policy that compacts after scoring passes
-  over the prompt (``kvzip``), whose prompt stays in full precision until then (:class:`ScoredPromptMixin`).
+  over KIVI pages slides a page at a time (``kivi_window.py``), a policy that evicts the lowest-scoring token
+  during decode, scored from the attention's logits (``h2o``), which over KIVI evicts a whole key group per KV head
+  at a time (``kivi_heavy.py``), and a policy that compacts after scoring passes over the prompt (``kvzip``), whose
+  prompt stays in full precision until then (:class:`ScoredPromptMixin`).
 
 How eviction stays correct over quantized storage (we chose "quantize only tokens that will never move again"):
 a KIVI key group is quantized per channel over consecutive slots, so moving one token in or out of a quantized group
 would re-quantize the group (and, repeated, compound the error). A composed policy's prompt is therefore prefilled in
 one forward (``PrefillMode.WHOLE``) whose slots stay in full precision until the policy's compaction has run; only
 the kept tokens are then quantized, once, and decode appends to the residual; a sliding window drops whole pages
-from the front of its unpinned tokens (the block table shifts, the ring turns; ``kivi_window.py``); KVzip's prompt
-is held in full precision through its scoring passes (``KiviStorage.hold``) and quantized after its compaction.
-Policies that evict anywhere during decode (``h2o``: evict-and-fill every step and after every prefill chunk, and
-it re-reads every key for its scores) and selection methods that read pages through their own key-scoring kernels
-(``quest``, ``omnikv``) are refused with the reason (:func:`kivi_refusal`). What composing H2O would take: its
-single-token evictions inside quantized groups free memory only once a group empties (or re-quantize the group),
-and its decode scores need the attention's logits, which the KIVI decode kernel does not write.
+from the front of its unpinned tokens (the block table shifts, the ring turns; ``kivi_window.py``); H2O's decode
+evicts whole quantized key groups, moved as stored (``kivi_heavy.py``); KVzip's prompt is held in full precision
+through its scoring passes (``KiviStorage.hold``) and quantized after its compaction. Selection methods that read
+pages through their own key-scoring kernels (``quest``, ``omnikv``) are refused with the reason
+(:func:`kivi_refusal`), as is any other policy that would move single quantized tokens.
 
 Defaults follow KIVI's LongBench setting (group 32, residual 128, 2 bits; KIVI recommends 4 bits for GQA models);
 HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_length``.
@@ -42,6 +42,7 @@ from ..runtime.contract import PrefillMode, SparseMethod
 from ..runtime.kivi import KiviSpec
 from ..runtime.memory_oracle import MemoryOracle
 from .eviction import EvictionRuntime
+from .kivi_heavy import GroupEvictionMixin, evicts_by_group
 from .kivi_window import PageWindowMixin
 from .registry import register_format, register_method
 
@@ -217,6 +218,8 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
         return (f"{policy.name} selects pages or tokens to read with its own kernels over the dense pool's keys "
                 f"(page min / max, key scores); over quantized pages those reads would need KIVI-aware scoring "
                 f"kernels, which do not exist yet. Use {policy.name} alone, or kivi alone")
+    if evicts_by_group(policy):  # decode evicts key groups; scores from the KIVI kernel's logits (kivi_heavy.py)
+        return None
     if issubclass(policy, EvictionRuntime) and (policy.chunk_eviction  # (decode_interval: evicts during decode)
                                                 or (_overrides(policy, EvictionRuntime, "decode_interval")
                                                     and not policy.window_pages)):
@@ -224,8 +227,9 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
                 f"hole{', and it evicts after every prefill chunk' if policy.chunk_eviction else ''}); KIVI quantizes "
                 f"keys per channel over groups of consecutive slots and keeps the newest tokens in full precision, so "
                 f"every eviction would re-quantize a key group around the newest token and compound the error. "
-                f"Compose a policy that evicts once, after the prompt (snapkv+kivi, pyramidkv+kivi), or a sliding "
-                f"window (streamingllm+kivi), or use {policy.name} alone")
+                f"Compose a policy that evicts once, after the prompt (snapkv+kivi, pyramidkv+kivi), a sliding "
+                f"window (streamingllm+kivi), or one scored from the decode attention's logits, which evicts whole "
+                f"key groups (h2o+kivi), or use {policy.name} alone")
     if policy.uses_decode_lse or policy.uses_prefill_lse:
         return f"{policy.name} scores by re-reading every resident key, which KIVI pages do not offer in full precision"
     if policy.needs_prompt_tokens and not getattr(policy, "compacts_after_scoring", False):
@@ -258,6 +262,8 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
     bases: tuple[type, ...] = (KiviStorageMixin, policy)
     if getattr(policy, "window_pages", False):  # a sliding window slides a page at a time (kivi_window.py)
         bases = (KiviStorageMixin, PageWindowMixin, policy)
+    elif evicts_by_group(policy):  # decode evicts whole quantized key groups (kivi_heavy.py)
+        bases = (KiviStorageMixin, GroupEvictionMixin, policy)
     elif getattr(policy, "compacts_after_scoring", False):  # its prompt held in full precision until the compaction
         bases = (ScoredPromptMixin, KiviStorageMixin, policy)
     return type(f"{policy.__name__}Kivi", bases, {

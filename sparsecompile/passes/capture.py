@@ -16,6 +16,7 @@ from torch import fx
 
 from ..kernels import (
     kivi_decode_attention,
+    kivi_decode_attention_logits,
     paged_attention,
     paged_attention_logits,
     paged_attention_lse,
@@ -30,7 +31,7 @@ class CaptureError(RuntimeError):
 
 
 _ATTENTION_OPS = {op for attention in (paged_attention, paged_attention_lse, paged_attention_token_max,
-                                      paged_attention_logits, kivi_decode_attention)
+                                      paged_attention_logits, kivi_decode_attention, kivi_decode_attention_logits)
                   for op in (attention, attention.overloadpacket)}
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SDPA_OVERLOADS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")

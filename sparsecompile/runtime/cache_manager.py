@@ -293,7 +293,7 @@ class CacheManager(SharedPages, SlotAccess):
         self.truncate_many([row], [layer], [count])
 
     def truncate_many(self, rows: Sequence[int], layers: Sequence[int], counts: Sequence[int],
-                      reserve: Sequence[int] | None = None) -> None:
+                      reserve: Sequence[int] | None = None, storage_done: bool = False) -> None:
         """:meth:`truncate` for several distinct ``(row, layer)`` pairs, with one allocator call and no per-pair
         Python (an evicting method's decode step shrinks every layer of every row: 512 pairs at batch 16 of a 32-layer
         model; one call a pair cost about 30 us of host time, 16 ms a step on the H200). Checks every pair before
@@ -303,6 +303,9 @@ class CacheManager(SharedPages, SlotAccess):
         owns), the room a decoding row takes back before it evicts again: a budget that fills its pages exactly
         would otherwise take a page per pair for each step's new token and free it after the eviction. What sits
         past ``counts`` in kept pages is dead (slots past ``lengths`` are never read).
+
+        ``storage_done``: the storage format already holds the shortened lists (``SlotAccess.remove_groups``); its
+        truncation hook (which hands quantized slots back to KIVI's residual) is skipped.
         """
         rows, layers = np.asarray(rows, dtype=np.int64), np.asarray(layers, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
@@ -314,7 +317,7 @@ class CacheManager(SharedPages, SlotAccess):
             raise ValueError(f"truncate to {int(counts[over][0])} slots but only {int(before[over][0])} are used")
         kept_slots = counts if reserve is None else np.maximum(counts, np.asarray(reserve, dtype=np.int64))
         keep = np.minimum(-(-kept_slots // self.layout.page_size), self._owned[rows, layers])
-        if self.storage is not None:
+        if self.storage is not None and not storage_done:
             for row, layer, old, new in zip(rows.tolist(), layers.tolist(), before.tolist(), counts.tolist()):
                 self.storage.on_truncate(row, layer, old, new)
         shrink = np.nonzero(self._owned[rows, layers] > keep)[0]  # only these pairs give pages back

@@ -184,7 +184,11 @@ class SparseController(RowOperations, MixedForward):
                                                sliding_window, known, rt.uses_prefill_lse, key, value)
             ctx.lse = lse if rt.uses_prefill_lse else None
         elif view.quant is not None:  # quantized storage read in place (KIVI pages + residual)
-            out = view.quant.decode_attention(query, view, step.positions, scale, sliding_window)
+            if rt.uses_decode_logits:
+                out, ctx.lse, ctx.logits = view.quant.decode_attention_logits(query, view, step.positions, scale,
+                                                                              sliding_window)
+            else:
+                out = view.quant.decode_attention(query, view, step.positions, scale, sliding_window)
         elif rt.wants_token_max(ctx):
             out, ctx.token_max = paged_attention_token_max(query, view.k_pool, view.v_pool, view.pos_pool, view.index,
                                                            view.lengths, step.positions, view.block_size, scale,

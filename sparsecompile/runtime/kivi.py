@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..kernels.kivi_attention import kivi_decode_attention
+from ..kernels.kivi_attention import kivi_decode_attention, kivi_decode_attention_logits
 from ..kernels.kivi_quant import kivi_dequantize, kivi_quantize
 from .compilation import page_indexed, static_address
 from .host import to_device
@@ -112,6 +112,14 @@ class QuantizedKV:
                          sliding_window: int) -> torch.Tensor:
         return kivi_decode_attention(query, *self.tensors, view.pos_pool, self.ring_k, self.ring_v, self.ring_rows,
                                      view.index, view.lengths, self.quantized, q_positions, scale, sliding_window)
+
+    def decode_attention_logits(self, query: torch.Tensor, view: AttentionView, q_positions: torch.Tensor,
+                                scale: float, sliding_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The output plus each query's log-sum-exp ``[batch, q_heads, 1]`` and logits per view position ``[batch,
+        q_heads, pages * P]`` (a method that scores decode steps by attention probabilities: H2O)."""
+        return kivi_decode_attention_logits(query, *self.tensors, view.pos_pool, self.ring_k, self.ring_v,
+                                            self.ring_rows, view.index, view.lengths, self.quantized, q_positions,
+                                            scale, sliding_window)
 
 
 class KiviStorage:
@@ -231,9 +239,33 @@ class KiviStorage:
             raise ValueError(f"kivi: page {index} of a list of {int(old[short][0])} slots is not fully quantized "
                              f"(the residual starts at slot {int(self.spec.quantized(old[short][0]))}): it cannot "
                              "be dropped")
-        ring = to_device(rows * self.manager.layout.num_layers + layers, self.manager.layout.device)
+        self._turn(to_device(rows * self.manager.layout.num_layers + layers, self.manager.layout.device), P)
+
+    def turn_rings(self, layer: int, rows: torch.Tensor, shift: int) -> None:
+        """Slots of ``rows`` in ``layer`` moved down by ``shift``: each ring turns so that slot ``s - shift`` finds
+        what slot ``s`` held."""
+        self._turn(self._ring_rows(layer, rows), shift)
+
+    def _turn(self, ring: torch.Tensor, shift: int) -> None:
         for t in (self.ring_k, self.ring_v):
-            t[ring] = torch.roll(t[ring], shifts=-P, dims=2)
+            t[ring] = torch.roll(t[ring], shifts=-shift, dims=2)
+
+    def move_groups(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole quantized key groups, per KV head: ``src, dst [batch, kv_heads]`` global first slots (multiples
+        of G; -1 skips): codes, the per-slot value scales / zeros and the group's per-channel key scales / zeros, as
+        stored (nothing is re-quantized). Everything is read before anything is written."""
+        P, G = self.manager.layout.page_size, self.spec.group_size
+        trash = self.manager.trash_page * P
+        head = torch.arange(src.shape[1], device=src.device)[None, :].expand_as(src)
+        s, d = src.clamp(min=0), torch.where(dst >= 0, dst, trash)
+        tok = torch.arange(G, device=src.device)
+        per_slot = [(t, (x // P)[..., None], head[..., None], (x % P)[..., None] + tok)
+                    for t in (self.kcode, self.vcode, self.vscale, self.vzero) for x in (s, d)]
+        per_group = [(t, x // P, head, x % P // G) for t in (self.kscale, self.kzero) for x in (s, d)]
+        places = per_slot + per_group
+        values = [t[p, h, o] for t, p, h, o in places[::2]]
+        for (t, p, h, o), v in zip(places[1::2], values):
+            t[p, h, o] = v
 
     def commit_deferred(self, step: StepState) -> None:
         """After the method's ``commit_step`` (slot counts final): quantize the kept slots of every deferred layer
@@ -311,14 +343,16 @@ class KiviStorage:
         self.ring_k[ring, :, idx] = key.transpose(1, 2).to(self.ring_k.dtype)
         self.ring_v[ring, :, idx] = value.transpose(1, 2).to(self.ring_v.dtype)
 
-    def view(self, layer: int, step: StepState) -> AttentionView:
+    def view(self, layer: int, step: StepState, max_slots: int | None = None) -> AttentionView:
+        """The layer's view for this step; decode views cover the first ``max_slots`` slots' pages (None: the whole
+        table; ``SparseMethod.decode_slot_bound``)."""
         m = self.manager
         H, P = m.layout.num_kv_heads, m.layout.page_size
         rows = step.rows
         lengths = m.lengths[rows, m.layer_key(layer)]
         if step.is_prefill:
             return self._materialize(layer, step)
-        table = m.block_table[rows, m.layer_key(layer)]
+        table = m.block_table[rows, m.layer_key(layer)][:, : None if max_slots is None else -(-max_slots // P)]
         quant = QuantizedKV(self.page_tensors(), self.ring_k, self.ring_v, self._ring_rows(layer, rows),
                             self.spec.quantized(lengths.long() - step.num_new))
         return AttentionView(None, None, m.pos_pool, table[:, None, :].expand(-1, H, -1),
@@ -372,7 +406,7 @@ class KiviStorage:
         pos = m.pos_pool[table.long()].reshape(batch * n, H, P)
         index = (torch.arange(batch, device=key.device)[:, None] * n + torch.arange(n, device=key.device))
         return AttentionView(to_pool(wk), to_pool(wv), pos, index[:, None, :].expand(-1, H, -1).to(torch.int32),
-                             lengths[:, None].expand(-1, H).to(torch.int32), P)
+                             lengths[:, None].expand(-1, H).to(torch.int32), P, pool_pages=table.reshape(-1).long())
 
     def end_layer(self, layer: int, step: StepState) -> None:
         """Commit what aged out of the residual in this layer (deferred prefill steps wait for the method)."""

@@ -153,7 +153,7 @@ class SlotAccess:
         if self.storage is not None:
             if selection is not None:
                 raise TypeError("a KIVI-stored cache has no logical selection (selection methods are refused)")
-            return self.storage.view(layer, step)
+            return self.storage.view(layer, step, max_slots)
         width = None if max_slots is None else -(-max_slots // P)  # table entries (None: all)
         plan = step.slot_plan
         if selection is None and plan is not None:
@@ -195,18 +195,45 @@ class SlotAccess:
         Moves K, V, position and all slot metadata together. Sources are read before any write, so
         overlapping moves (compaction to the front) are safe.
         """
-        H = self.layout.num_kv_heads
-        batch, _, n = src.shape
-        both = self.global_slots(layer, rows, torch.stack([src, dst], 1)).reshape(batch, 2, H, n)  # one lookup
-        g_src, g_dst = both[:, 0].clamp(min=0), both[:, 1]
         pools = self._slot_pools()
         if self.storage is not None:
             self.storage.move(layer, rows, src, dst)
             pools = pools[2:]
+        self._move_in_pools(pools, layer, rows, src, dst)
+
+    def _move_in_pools(self, pools: list[torch.Tensor], layer: int, rows: torch.Tensor, src: torch.Tensor,
+                       dst: torch.Tensor) -> None:
+        H = self.layout.num_kv_heads
+        batch, _, n = src.shape
+        both = self.global_slots(layer, rows, torch.stack([src, dst], 1)).reshape(batch, 2, H, n)  # one lookup
+        g_src, g_dst = both[:, 0].clamp(min=0), both[:, 1]
         src_index, dst_index = self._pool_index(g_src), self._pool_index(g_dst)
         moved = [pool[src_index] for pool in pools]  # read everything before writing
         for pool, values in zip(pools, moved):
             pool.index_put_(dst_index, values)
+
+    def remove_groups(self, layer: int, rows: torch.Tensor, victims: torch.Tensor, quantized: torch.Tensor,
+                      counts: torch.Tensor, width: int) -> None:
+        """Per KV head, one quantized key group of KIVI storage leaves each ``(row, layer)`` (eager, no host sync):
+        ``victims [batch, kv_heads]`` the group's index; ``quantized, counts [batch]`` the pair's quantized and used
+        slots; ``width >= counts - quantized`` (static). The last quantized group (slots ``quantized - G ..``) moves
+        whole into the victim's slots (codes, scales, zeros, positions and slot metadata: nothing is re-quantized)
+        and the residual's slots ``[quantized, counts)`` move down by ``G`` (positions and metadata; the ring turns).
+        The caller then shrinks the pairs by ``G`` slots (``truncate_many(..., storage_done=True)``)."""
+        G, H = self.storage.spec.group_size, self.layout.num_kv_heads
+        dev = victims.device
+        q = quantized.long()[:, None, None]
+        tok = torch.arange(G, device=dev)
+        moving = (victims[..., None] * G != q - G)  # [batch, kv_heads, 1]: the victim is not the last group
+        src = torch.where(moving, (q - G + tok).expand(-1, H, -1), -1)
+        dst = torch.where(moving, victims[..., None] * G + tok, -1)
+        first = self.global_slots(layer, rows, torch.stack([src[..., 0], dst[..., 0]], 1))  # [batch, 2, kv_heads]
+        self.storage.move_groups(first[:, 0], first[:, 1])
+        ring = q + torch.arange(width, device=dev)  # [batch, 1, width]
+        ring = torch.where(ring < counts.long()[:, None, None], ring, -1).expand(-1, H, -1)
+        self._move_in_pools(self._slot_pools()[2:], layer, rows, torch.cat([src, ring], -1),
+                            torch.cat([dst, torch.where(ring >= 0, ring - G, -1)], -1))
+        self.storage.turn_rings(layer, rows, G)
 
     def fill_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """:meth:`move_slots` when, per ``(row, head)``, no destination is also a source (decode eviction filling

@@ -21,6 +21,10 @@ class AttentionView:
         block_size: slots covered by one entry of ``index``.
         quant: quantized storage read in place (a KIVI decode view, ``runtime/kivi.py``: ``k_pool / v_pool`` are
             None and ``quant.decode_attention`` attends); None for full-precision views.
+        pool_pages: ``[view pages]`` int64, for a view over pages of its own (a storage format's prefill view
+            materialises its rows in full precision, ``KiviStorage``): the pool page each of them stands for. A hook
+            that writes slot metadata through the view's ``index`` maps pages through it (None: ``index`` names
+            pool pages).
     """
 
     k_pool: torch.Tensor | None
@@ -30,6 +34,7 @@ class AttentionView:
     lengths: torch.Tensor
     block_size: int
     quant: Any = None
+    pool_pages: torch.Tensor | None = None
 
 
 @dataclass

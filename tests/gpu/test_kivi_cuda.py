@@ -53,7 +53,11 @@ def test_quantize_triton_equals_reference(bits, scale_dtype):
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
 def test_decode_attention_triton_vs_reference(bits, context, batch):
-    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_reference, kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_attention import (
+        kivi_decode_attention_logits_reference,
+        kivi_decode_attention_reference,
+        kivi_decode_attention_triton,
+    )
     from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
 
     g = torch.Generator(device="cuda").manual_seed(context + bits)
@@ -86,6 +90,17 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     fp16 = kivi_decode_attention_triton(query.half(), *args[1:])  # the fp16 form of the in-register dequantization
     torch.testing.assert_close(fp16.float(), want.float(), atol=3e-2, rtol=3e-2)
+    # h2o+kivi's form: the logits of every slot and the log-sum-exp beside the output (split and one-split launches);
+    # logits of unit-scale dots in bf16 operands: 5e-2, the probabilities that H2O adds up: 1e-3 absolute
+    _, lse_ref, logits_ref = kivi_decode_attention_logits_reference(*args)
+    for splits in (None, 1):
+        out, lse, logits = kivi_decode_attention_triton(*args, num_splits=splits, with_logits=True)
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, lse_ref, atol=5e-2, rtol=1e-2)
+        assert torch.equal(torch.isneginf(logits), torch.isneginf(logits_ref))
+        seen = ~torch.isneginf(logits_ref)
+        torch.testing.assert_close(logits[seen], logits_ref[seen], atol=5e-2, rtol=1e-2)
+        torch.testing.assert_close((logits - lse).exp(), (logits_ref - lse_ref).exp(), atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("method,options", [("kivi", dict(bits=2, residual=32)),
@@ -94,7 +109,10 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
                                             # the window drops a 32-slot page a row after 32 decode tokens
                                             ("streamingllm+kivi", dict(budget=96, sinks=4, bits=2, residual=32)),
                                             # the prompts re-read in full precision, compacted, then quantized
-                                            ("kvzip+kivi", dict(budget=96, chunk=64, bits=2, residual=32))])
+                                            ("kvzip+kivi", dict(budget=96, chunk=64, bits=2, residual=32)),
+                                            # a 32-slot key group a head leaves after 32 decode tokens; the step
+                                            # writes its logits for H2O's scores
+                                            ("h2o+kivi", dict(budget=96, recent=32, bits=2, residual=32))])
 def test_kivi_decode_with_cuda_graphs_equals_eager(method, options):
     from tiny_models import left_padded_batch, tiny_config
     from torch._dynamo.utils import counters
