@@ -131,9 +131,9 @@ def test_alias_conflicts(options, match):
 
 def test_compression_ratio_only_for_eviction_methods():
     _, model = tiny_pair()
-    with pytest.raises(MethodConfigError, match="applies to the eviction methods \\(h2o, kvzip, kvzip\\+kivi, "
-                                                "pyramidkv, pyramidkv\\+kivi, snapkv, snapkv\\+kivi, streamingllm, "
-                                                "streamingllm\\+kivi\\), "
+    with pytest.raises(MethodConfigError, match="applies to the eviction methods \\(h2o, h2o\\+kivi, kvzip, "
+                                                "kvzip\\+kivi, pyramidkv, pyramidkv\\+kivi, snapkv, snapkv\\+kivi, "
+                                                "streamingllm, streamingllm\\+kivi\\), "
                                                 "not to 'quest'"):
         sparsecompile.optimize(model, "quest", compression_ratio=0.5)
     sparsecompile.optimize(model, "streamingllm", compression_ratio=0.5, block_size=8)

@@ -11,7 +11,7 @@ from tiny_models import left_padded_batch, tiny_pair
 import sparsecompile
 from sparsecompile.config import EngineConfig, MethodConfigError
 from sparsecompile.kernels import kivi_quant as kq
-from sparsecompile.kernels.kivi_attention import kivi_view_kv
+from sparsecompile.kernels.kivi_reference import kivi_view_kv
 from sparsecompile.methods import build_runtime, method_class
 from sparsecompile.methods.h2o import H2ORuntime
 from sparsecompile.methods.kivi import kivi_refusal

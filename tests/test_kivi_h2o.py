@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 import sparsecompile
 from sparsecompile.config import MethodConfigError
-from sparsecompile.kernels.kivi_attention import kivi_view_kv
+from sparsecompile.kernels.kivi_reference import kivi_view_kv
 from sparsecompile.methods.h2o import SCORE
 from sparsecompile.methods.kivi_heavy import GroupEvictionMixin
 from sparsecompile.models.hf_patch import patched_model
@@ -202,3 +202,32 @@ def test_conflicting_options_are_refused():
         sparsecompile.optimize(_model(), "h2o+kivi", budget=60, recent=8, group_size=GROUP, residual=48)
     with pytest.raises(MethodConfigError, match="interval=4 does not apply"):
         sparsecompile.optimize(_model(), "h2o+kivi", budget=BUDGET, interval=4, group_size=GROUP)
+
+
+def test_serving_evicts_groups_like_generate(monkeypatch):
+    """Under continuous batching (four prompts; the shortest is kept whole and reaches ``budget + G`` at another step
+    than the others, so some steps evict for part of the batch), the engine's h2o+kivi gives each prompt's
+    ``generate()`` tokens and frees every page."""
+    from test_llm import prompts_of, reference_tokens, tiny_llm
+
+    from sparsecompile import SamplingParams
+
+    batches = []  # how many of a step's rows evicted, per eviction (engine, then generate())
+    real = GroupEvictionMixin._evict_groups
+
+    def spy(self, manager, step, layer, at, counts):
+        batches.append((len(at), len(step.row_ids)))
+        return real(self, manager, step, layer, at, counts)
+
+    monkeypatch.setattr(GroupEvictionMixin, "_evict_groups", spy)
+
+    prompts, new = prompts_of((150, 139, 120, 80)), 50  # the 80-token prompt is kept whole: it evicts later
+    options = {**OPTIONS, "compile": False}
+    reference, llm = tiny_llm("h2o+kivi", max_num_batched_tokens=512, prefill_chunk_size=None, **options)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new),
+                                                          use_tqdm=False)]
+    stats = llm.llm_engine.stats()
+    assert stats.free_pages == stats.total_pages
+    assert any(n < rows for n, rows in batches)  # some steps evicted for part of the batch only
+    sparsecompile.optimize(reference, "h2o+kivi", **options)
+    assert outs == reference_tokens(reference, prompts, new)

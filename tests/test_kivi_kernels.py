@@ -10,13 +10,11 @@ import pytest
 import torch
 
 from sparsecompile.kernels import kivi_quant as kq
-from sparsecompile.kernels.kivi_attention import (
-    fast_path_supported,
+from sparsecompile.kernels.kivi_attention import fast_path_supported, kivi_decode_attention_triton, wave_splits
+from sparsecompile.kernels.kivi_reference import (
     kivi_decode_attention_logits_reference,
     kivi_decode_attention_reference,
-    kivi_decode_attention_triton,
     kivi_view_kv,
-    wave_splits,
 )
 from sparsecompile.kernels.library import triton_available
 

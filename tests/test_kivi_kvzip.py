@@ -12,8 +12,8 @@ from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
 import sparsecompile
-from sparsecompile.kernels.kivi_attention import kivi_view_kv
 from sparsecompile.kernels.kivi_quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from sparsecompile.kernels.kivi_reference import kivi_view_kv
 from sparsecompile.models.hf_patch import patched_model
 
 G, BITS, RESIDUAL = 16, 4, 32

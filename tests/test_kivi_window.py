@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 import sparsecompile
 from sparsecompile.config import MethodConfigError
-from sparsecompile.kernels.kivi_attention import kivi_view_kv
+from sparsecompile.kernels.kivi_reference import kivi_view_kv
 from sparsecompile.models.hf_patch import patched_model
 
 BUDGET, SINKS, PAGE, RESIDUAL, PROMPT = 80, 4, 16, 32, 150

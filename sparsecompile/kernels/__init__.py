@@ -11,8 +11,9 @@ from .h2o_scores import (
     h2o_accumulate_lse_reference,
     h2o_accumulate_reference,
 )
-from .kivi_attention import kivi_decode_attention, kivi_decode_attention_logits, kivi_decode_attention_reference
+from .kivi_attention import kivi_decode_attention, kivi_decode_attention_logits
 from .kivi_quant import kivi_dequantize, kivi_quantize, kivi_quantize_reference
+from .kivi_reference import kivi_decode_attention_reference
 from .kv_write import kv_write, kv_write_bounds, kv_write_reference
 from .kvzip_scores import kvzip_scores, kvzip_scores_reference
 from .omnikv_scores import omnikv_scores, omnikv_scores_reference

@@ -21,9 +21,14 @@ import functools
 
 import torch
 
-from .kivi_quant import dequantize_keys, dequantize_values, storage_bits, triton_supported, unpack_codes
+from .kivi_quant import storage_bits, triton_supported
+from .kivi_reference import (
+    check_one_query,
+    kivi_decode_attention_logits_reference,
+    kivi_decode_attention_reference,
+)
 from .library import define_op
-from .pool import launch_inputs, visibility
+from .pool import launch_inputs
 from .tiles import natural_lse, visible
 
 try:
@@ -31,104 +36,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-
-def kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,
-                 quantized, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first ``span`` slots of every list as floats: keys, values ``[batch, kv_heads, span, D]`` fp32, positions
-    ``[batch, kv_heads, span]`` (-1 past ``lengths``) and validity (torch; the reference's and tests' view)."""
-    batch, heads = index.shape[:2]
-    page_size = kcode.shape[2]
-    dim = kscale.shape[-1]
-    bits = storage_bits(kcode, dim)
-    group = page_size // kscale.shape[2]
-    npages = max(1, -(-span // page_size))
-    pages = index[..., :npages].long()  # [B, H, n]
-    head = torch.arange(heads, device=index.device)[None, :, None]
-    kc = unpack_codes(kcode[pages, head], bits)  # [B, H, n, P, D]
-    k = dequantize_keys(kc.unflatten(-2, (page_size // group, group)), kscale[pages, head], kzero[pages, head])
-    k = k.flatten(-3, -2).flatten(2, 3)[:, :, :span]  # [B, H, span, D]
-    v = dequantize_values(unpack_codes(vcode[pages, head], bits), vscale[pages, head], vzero[pages, head])
-    v = v.flatten(2, 3)[:, :, :span]
-    pos = pos_pool[pages, head].flatten(2, 3)[:, :, :span].long()
-    j = torch.arange(span, device=index.device)
-    ring_idx = (j % ring_k.shape[2])[None, None, :].expand(batch, heads, -1)
-    rows = ring_rows.long()[:, None, None].expand_as(ring_idx)
-    rk = ring_k[rows, head.expand_as(ring_idx), ring_idx].float()
-    rv = ring_v[rows, head.expand_as(ring_idx), ring_idx].float()
-    in_ring = (j[None, :] >= quantized.long()[:, None])[:, None, :, None]
-    valid = j[None, None, :] < lengths.long()[..., None]
-    return (torch.where(in_ring, rk, k), torch.where(in_ring, rv, v), torch.where(valid, pos, -1), valid)
-
-
-def _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
-                      lengths, quantized, q_positions, scale: float, sliding_window: int,
-                      span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled fp32 logits ``[batch, kv_heads, group * queries, span]`` (row ``g * T + t``; -inf where unseen) and the
-    values ``[batch, kv_heads, span, D]`` of the first ``span`` slots of every list."""
-    batch, q_heads, queries, dim = query.shape
-    heads = index.shape[1]
-    k, v, kpos, valid = kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
-                                     index, lengths, quantized, span)
-    q = query.float().reshape(batch, heads, q_heads // heads * queries, dim)
-    mask = visibility(kpos, valid, q_positions.repeat(1, q_heads // heads), sliding_window)  # [B, H, g*T, span]
-    logits = torch.einsum("bhqd,bhnd->bhqn", q, k) * scale
-    return logits.masked_fill(~mask, float("-inf")), v
-
-
-def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                    ring_rows, index, lengths, quantized, q_positions, scale: float,
-                                    sliding_window: int, span: int | None = None) -> torch.Tensor:
-    """Torch reference: rebuild the floats of every list, then fp32 softmax attention.
-
-    Args:
-        query: ``[batch, q_heads, queries, D]``.
-        kcode ... vzero: KIVI page tensors; pos_pool ``[pages, kv_heads, P]``.
-        ring_k, ring_v: ``[rows, kv_heads, RING, D]``; ring_rows ``[batch]`` int64.
-        index: ``[batch, kv_heads, pages]`` page ids; lengths ``[batch, kv_heads]``; quantized ``[batch]`` (a multiple
-            of the group size; the quantized prefix of every head of the row).
-        q_positions: ``[batch, queries]`` (-1: padding query).
-        span: slots of every list to rebuild (None: the longest list's, read from ``lengths``: a host sync; the
-            CUDA fallback passes the view's capacity so that it can run inside a CUDA graph capture).
-    Returns:
-        ``[batch, queries, q_heads, D]`` in ``query.dtype``.
-    """
-    batch, q_heads, queries, dim = query.shape
-    if span is None:
-        span = int(lengths.max()) if lengths.numel() else 0
-    out = torch.zeros(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
-    if span == 0:
-        return out
-    logits, v = _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, span)
-    probs = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)  # a query that sees nothing returns zeros
-    o = torch.einsum("bhqn,bhnd->bhqd", probs, v)  # [B, H, g*T, D], row = g * T + t
-    return o.reshape(batch, q_heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous()
-
-
-def kivi_decode_attention_logits_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k,
-                                           ring_v, ring_rows, index, lengths, quantized, q_positions, scale: float,
-                                           sliding_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`kivi_decode_attention_reference` for one decode query per sequence, plus what a method that scores by
-    attention probabilities reads (H2O over KIVI storage): each query's log-sum-exp ``[batch, q_heads, 1]`` fp32 and
-    its scaled logits per view position ``[batch, q_heads, pages * P]`` fp32, -inf where unseen (past ``lengths``
-    included), so that ``exp(logits - lse)`` is the probability the attention gave the slot; the logits of quantized
-    slots are those of their dequantized keys. Sync-free: every slot of the view's capacity is rebuilt."""
-    _check_one_query(query)
-    batch, q_heads, _, dim = query.shape
-    span = index.shape[2] * kcode.shape[2]
-    logits, v = _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, span)
-    lse = torch.logsumexp(logits, -1)  # [B, H, g]: -inf for a query that sees nothing
-    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
-    out = torch.einsum("bhqn,bhnd->bhqd", probs, v).reshape(batch, q_heads, 1, dim).transpose(1, 2)
-    return (out.to(query.dtype).contiguous(), lse.reshape(batch, q_heads, 1).contiguous(),
-            logits.reshape(batch, q_heads, span).contiguous())
-
-
-def _check_one_query(query: torch.Tensor) -> None:
-    if query.shape[2] != 1:
-        raise ValueError(f"kivi_decode_attention_logits: one decode query per sequence, got {query.shape[2]}")
 
 
 def _code_asm(bits: int, shift: int, dtype: torch.dtype, scaled: bool = True) -> str:
@@ -495,7 +402,7 @@ def _fake(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, r
 
 def _triton_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
                    lengths, quantized, q_positions, scale, sliding_window):
-    _check_one_query(query)
+    check_one_query(query)
     return kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                         ring_rows, index, lengths, quantized, q_positions, scale, sliding_window,
                                         with_logits=True)
@@ -503,7 +410,7 @@ def _triton_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, 
 
 def _fake_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
                  lengths, quantized, q_positions, scale, sliding_window):
-    _check_one_query(query)
+    check_one_query(query)
     batch, q_heads, queries, dim = query.shape
     return (query.new_empty(batch, queries, q_heads, dim), query.new_empty(batch, q_heads, 1, dtype=torch.float32),
             query.new_empty(batch, q_heads, index.shape[2] * kcode.shape[2], dtype=torch.float32))

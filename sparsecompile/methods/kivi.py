@@ -39,7 +39,7 @@ import torch
 
 from ..config import MethodConfig, MethodConfigError, option
 from ..runtime.contract import PrefillMode, SparseMethod
-from ..runtime.kivi import KiviSpec
+from ..runtime.kivi_spec import KiviSpec
 from ..runtime.memory_oracle import MemoryOracle
 from .eviction import EvictionRuntime
 from .kivi_heavy import GroupEvictionMixin, evicts_by_group

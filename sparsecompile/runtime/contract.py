@@ -32,7 +32,7 @@ from .view import Selection
 
 if TYPE_CHECKING:
     from .cache_manager import CacheManager, KVLayout
-    from .kivi import KiviSpec
+    from .kivi_spec import KiviSpec
     from .step import StepState
     from .view import AttentionView
 
@@ -139,8 +139,9 @@ class SparseMethod:
     #: The controller gives ``prepare_step`` each prefill row's token ids (``StepState.prompt_tokens``; one host copy
     #: of the chunk's ids per prefill forward), for methods that re-read the prompt.
     needs_prompt_tokens: ClassVar[bool] = False
-    #: How the CacheManager stores this method's K/V: None (dense, the model's dtype) or a ``runtime.kivi.KiviSpec``
-    #: (quantized pages; set per instance from the options of ``kivi`` and its compositions, ``methods/kivi.py``).
+    #: How the CacheManager stores this method's K/V: None (dense, the model's dtype) or a
+    #: ``runtime.kivi_spec.KiviSpec`` (quantized pages; set per instance from the options of ``kivi`` and its
+    #: compositions, ``methods/kivi.py``).
     storage: KiviSpec | None = None
     #: The variants of this method's decode step, chosen per step on the host by :meth:`decode_variant` and read by
     #: the device hooks as ``ctx.step.variant`` (static in a graph: a compiled step keeps one graph per batch size

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kivi import KiviSpec
+from .kivi_spec import KiviSpec
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,12 @@ def test_quantize_triton_equals_reference(bits, scale_dtype):
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
 def test_decode_attention_triton_vs_reference(bits, context, batch):
-    from sparsecompile.kernels.kivi_attention import (
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
+    from sparsecompile.kernels.kivi_reference import (
         kivi_decode_attention_logits_reference,
         kivi_decode_attention_reference,
-        kivi_decode_attention_triton,
     )
-    from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
 
     g = torch.Generator(device="cuda").manual_seed(context + bits)
     per_seq = -(-context // PAGE)
