@@ -325,14 +325,19 @@ class EvictionRuntime(SparseMethod):
         self._prompt_done(rows)
 
     def _prompt_done(self, rows: list[int]) -> None:
-        """Fix each row's decode budget (and recent window) from its prompt length (host -> device)."""
+        """Fix each row's decode budget (host) and, for a compiled decode step that evicts, its budget and recent
+        window (device)."""
+        budgets = [self.row_decode_budget(int(self._seen[r])) for r in rows]
+        self._decode_budget[rows] = budgets
         if not self.decode_interval:
             return
-        budgets = [self.layer_budgets(int(self._seen[r]))[0] for r in rows]
-        self._decode_budget[rows] = budgets
         limits = np.array([[b, self.recent_tokens(b)] for b in budgets], dtype=np.int64).reshape(-1, 2)
         device = self._limits.device
         self._limits[to_device(np.asarray(rows, dtype=np.int64), device)] = to_device(limits, device)
+
+    def row_decode_budget(self, prompt_len: int) -> int:
+        """The decode budget of a row whose prompt had ``prompt_len`` tokens (its first layer's)."""
+        return self.layer_budgets(prompt_len)[0]
 
     def finish_step(self, manager: CacheManager, step: StepState) -> None:
         if step.is_prefill:

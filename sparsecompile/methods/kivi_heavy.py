@@ -70,7 +70,6 @@ class GroupEvictionMixin:
                 f"({self.recent_tokens(config.budget)}) or the residual ({spec.residual}), whichever is larger, plus "
                 f"one key group ({spec.group_size}): decode evicts whole quantized groups outside the recent window; "
                 f"pass budget >= {floor}, or a smaller recent / residual")
-        self._row_budget = np.zeros(0, dtype=np.int64)  # per row: the decode budget, fixed when its prompt ends (host)
 
     @property
     def decode_interval(self) -> int:
@@ -94,21 +93,10 @@ class GroupEvictionMixin:
     def memory_oracle(self, layout: KVLayout) -> MemoryOracle:
         # one forward per prompt (PrefillMode.WHOLE): the prompt is held whole, then each layer keeps its budget
         return EvictionMemoryOracle(layout, lambda n: [min(n, b) for b in self.layer_budgets(n)],
-                                    lambda n: self.raised_budget(self.layer_budgets(n)[0]), self._group, False)
+                                    self.row_decode_budget, self._group, False)
 
-    def _fit_rows(self, manager: CacheManager) -> None:
-        super()._fit_rows(manager)
-        n = manager.max_seqs
-        if self._row_budget.shape[0] < n:
-            self._row_budget = np.pad(self._row_budget, (0, n - self._row_budget.shape[0]))
-
-    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
-        super().fork_rows(manager, sources, forks)
-        self._row_budget[forks] = self._row_budget[sources]
-
-    def _prompt_done(self, rows: list[int]) -> None:
-        super()._prompt_done(rows)
-        self._row_budget[rows] = [self.raised_budget(self.layer_budgets(int(self._seen[r]))[0]) for r in rows]
+    def row_decode_budget(self, prompt_len: int) -> int:
+        return self.raised_budget(super().row_decode_budget(prompt_len))
 
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         super().commit_step(manager, step)
@@ -117,7 +105,7 @@ class GroupEvictionMixin:
         G = self._group
         rows = np.asarray(step.row_ids, dtype=np.int64)
         counts = manager.slot_count_array(step.row_ids)
-        over, layers = np.nonzero(counts >= self._row_budget[rows][:, None] + G)
+        over, layers = np.nonzero(counts >= self._decode_budget[rows][:, None] + G)
         if not len(over):
             return
         for layer in np.unique(layers).tolist():
@@ -132,7 +120,7 @@ class GroupEvictionMixin:
         slots each) and remove it."""
         G, dev = self._group, manager.layout.device
         quantized = self.storage.quantized(counts)
-        recent = [self.recent_tokens(int(self._row_budget[r])) for r in np.asarray(step.row_ids)[at]]
+        recent = [self.recent_tokens(int(self._decode_budget[r])) for r in np.asarray(step.row_ids)[at]]
         host = to_device(np.stack([at, quantized, counts, recent]).astype(np.int64), dev)
         index, quant, count, recent_t = host
         rows = step.rows[index]

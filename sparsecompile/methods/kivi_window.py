@@ -38,7 +38,6 @@ class PageWindowMixin:
 
     def __init__(self, config, model) -> None:
         super().__init__(config, model)
-        self._window = np.zeros(0, dtype=np.int64)  # per row: the decode budget, fixed when its prompt ends (host)
         self._page_size: int | None = None
 
     @property
@@ -68,22 +67,10 @@ class PageWindowMixin:
                 f"({self.storage.residual}): the window slides a page at a time and only quantized pages may leave; "
                 f"pass budget >= {floor}, or a smaller residual")
         return EvictionMemoryOracle(layout, lambda n: [min(n, b) for b in self.layer_budgets(n)],
-                                    lambda n: max(self.layer_budgets(n)[0], floor), P, self.chunk_eviction)
+                                    self.row_decode_budget, P, self.chunk_eviction)
 
-    def _fit_rows(self, manager: CacheManager) -> None:
-        super()._fit_rows(manager)
-        n = manager.max_seqs
-        if self._window.shape[0] < n:
-            self._window = np.pad(self._window, (0, n - self._window.shape[0]))
-
-    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
-        super().fork_rows(manager, sources, forks)
-        self._window[forks] = self._window[sources]
-
-    def _prompt_done(self, rows: list[int]) -> None:
-        super()._prompt_done(rows)
-        floor = self.window_floor(self._page_size)
-        self._window[rows] = [max(self.layer_budgets(int(self._seen[r]))[0], floor) for r in rows]
+    def row_decode_budget(self, prompt_len: int) -> int:
+        return max(super().row_decode_budget(prompt_len), self.window_floor(self._page_size))
 
     def commit_step(self, manager: CacheManager, step: StepState) -> None:
         super().commit_step(manager, step)
@@ -91,6 +78,6 @@ class PageWindowMixin:
             return
         P = manager.layout.page_size
         rows = np.asarray(step.row_ids, dtype=np.int64)
-        over, layers = np.nonzero(manager.slot_count_array(step.row_ids) >= self._window[rows][:, None] + P)
+        over, layers = np.nonzero(manager.slot_count_array(step.row_ids) >= self._decode_budget[rows][:, None] + P)
         if len(over):
             manager.drop_pages(rows[over], layers, self.pinned_pages(P))
