@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 import sparsecompile
 from sparsecompile.config import MethodConfigError
+from sparsecompile.kernels.kivi_quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from sparsecompile.kernels.kivi_reference import kivi_view_kv
 from sparsecompile.methods.h2o import SCORE
 from sparsecompile.methods.kivi_heavy import GroupEvictionMixin
@@ -156,10 +157,12 @@ def test_decode_evicts_the_formulas_group_and_never_requantizes(monkeypatch):
     assert watch.pages[0] == watch.pages[1] and watch.pages[0] > 0
 
 
-def test_prompt_keeps_h2os_tokens_and_scores_grow_as_h2os():
-    """The prompt's eviction is H2O's, in full precision (the same kept positions as ``h2o`` alone); with a residual
-    longer than the sequence nothing is quantized and the accumulated scores equal ``h2o``'s (the prefill's through
-    the materialised view's pages, decode's from the KIVI kernel's logits)."""
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_prompt_keeps_h2os_tokens_and_scores_grow_as_h2os(chunk):
+    """The prompt's eviction is H2O's, in full precision: one forward, or chunks of 64 with an eviction after each,
+    the kept tokens held in full precision between chunks (the same kept positions as ``h2o`` alone with the same
+    chunks); with a residual longer than the sequence nothing is quantized and the accumulated scores equal
+    ``h2o``'s (the prefill's through the materialised view's pages, decode's from the KIVI kernel's logits)."""
     ids, mask = _inputs()
 
     def run(method, **options):
@@ -173,10 +176,10 @@ def test_prompt_keeps_h2os_tokens_and_scores_grow_as_h2os():
                        logits_processor=LogitsProcessorList([watch]))
         return watch.kept[0], watch.scores
 
-    kept, _ = run("h2o+kivi", **OPTIONS)
-    alone, _ = run("h2o", budget=BUDGET, recent=RECENT, page_size=PAGE, compile=False)
+    kept, _ = run("h2o+kivi", **OPTIONS, prefill_chunk_size=chunk)
+    alone, _ = run("h2o", budget=BUDGET, recent=RECENT, page_size=PAGE, compile=False, prefill_chunk_size=chunk)
     assert kept == alone
-    wide = dict(budget=200, recent=RECENT, page_size=PAGE, compile=False)
+    wide = dict(budget=200, recent=RECENT, page_size=PAGE, compile=False, prefill_chunk_size=chunk)
     _, scores = run("h2o+kivi", **wide, bits=4, group_size=GROUP, residual=176)
     _, want = run("h2o", **wide)
     assert scores.keys() == want.keys() and len(want) == 2 * 2 * 2
@@ -184,6 +187,47 @@ def test_prompt_keeps_h2os_tokens_and_scores_grow_as_h2os():
         assert scores[key].keys() == want[key].keys()
         for p, s in want[key].items():
             assert scores[key][p] == pytest.approx(s, rel=1e-5, abs=1e-6), (key, p)
+
+
+def test_chunked_prompt_is_quantized_once_from_full_precision():
+    """Chunks of 64 with an eviction after each: between chunks the kept tokens stay in full precision, so after the
+    prompt the stored codes are exactly KIVI's quantization of ``h2o``'s kept K/V (same chunks), group by group, and
+    the residual holds its K/V bit for bit (quantizing after every chunk would store re-quantized values)."""
+    ids, mask = _inputs()
+    managers, outs = [], []
+    for method, extra in (("h2o", {}), ("h2o+kivi", dict(bits=4, group_size=GROUP, residual=RESIDUAL))):
+        model = _model()
+        sparsecompile.optimize(model, method, budget=BUDGET, recent=RECENT, page_size=PAGE, compile=False,
+                               prefill_chunk_size=64, **extra)
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                                   return_dict_in_generate=True))  # (the output holds the cache: rows stay live)
+        managers.append(patched_model(model).controller.manager)
+    dense, kivi = managers
+    st, lay = kivi.storage, kivi.layout
+    checked = 0
+    for row in kivi.live_rows:
+        for layer in range(lay.num_layers):
+            count = kivi.slot_counts(row)[layer]
+            assert count == dense.slot_counts(row)[layer] == BUDGET
+            assert all(torch.equal(a, b) for a, b in zip(kivi.retained_positions(row, layer),
+                                                          dense.retained_positions(row, layer), strict=True))
+            quantized = int(st.spec.quantized(count))
+            slots, _ = dense.resident_slot_ids(layer, torch.tensor([row]), count)
+            k = dense.k_pool[slots[0] // PAGE, :, slots[0] % PAGE].transpose(0, 1)  # [H, count, D], slot order
+            v = dense.v_pool[slots[0] // PAGE, :, slots[0] % PAGE].transpose(0, 1)
+            kc, ks, kz = quantize_keys(k[:, :quantized].unflatten(1, (quantized // GROUP, GROUP)), 4,
+                                       st.spec.scale_dtype)
+            vc, vs, vz = quantize_values(v[:, :quantized], 4, st.spec.scale_dtype, GROUP)
+            index = torch.as_tensor(kivi._host_table[row, layer])[None, None, :].expand(1, lay.num_kv_heads, -1)
+            got_k, got_v, _, _ = kivi_view_kv(*st.page_tensors(), kivi.pos_pool, st.ring_k, st.ring_v,
+                                              torch.tensor([row * lay.num_layers + layer]), index,
+                                              torch.full((1, lay.num_kv_heads), count), torch.tensor([quantized]),
+                                              count)
+            assert torch.equal(got_k[0, :, :quantized], dequantize_keys(kc, ks, kz).flatten(1, 2))
+            assert torch.equal(got_v[0, :, :quantized], dequantize_values(vc, vs, vz))
+            assert torch.equal(got_k[0, :, quantized:], k[:, quantized:].float())  # the residual, as computed
+            checked += quantized
+    assert checked == 2 * 2 * (BUDGET - RESIDUAL)
 
 
 def test_oracle_and_bound_follow_the_groups():
@@ -223,11 +267,12 @@ def test_serving_evicts_groups_like_generate(monkeypatch):
 
     prompts, new = prompts_of((150, 139, 120, 80)), 50  # the 80-token prompt is kept whole: it evicts later
     options = {**OPTIONS, "compile": False}
-    reference, llm = tiny_llm("h2o+kivi", max_num_batched_tokens=512, prefill_chunk_size=None, **options)
+    # 128-token steps: prompts in 64-token chunks, held in full precision between steps while other rows decode
+    reference, llm = tiny_llm("h2o+kivi", max_num_batched_tokens=128, prefill_chunk_size=64, **options)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new),
                                                           use_tqdm=False)]
     stats = llm.llm_engine.stats()
     assert stats.free_pages == stats.total_pages
     assert any(n < rows for n, rows in batches)  # some steps evicted for part of the batch only
-    sparsecompile.optimize(reference, "h2o+kivi", **options)
+    sparsecompile.optimize(reference, "h2o+kivi", prefill_chunk_size=64, **options)
     assert outs == reference_tokens(reference, prompts, new)

@@ -42,7 +42,7 @@ from ..runtime.contract import PrefillMode, SparseMethod
 from ..runtime.kivi_spec import KiviSpec
 from ..runtime.memory_oracle import MemoryOracle
 from .eviction import EvictionRuntime
-from .kivi_heavy import GroupEvictionMixin, evicts_by_group
+from .kivi_heavy import GroupEvictionMixin, HeldChunksMixin, evicts_by_group
 from .kivi_window import PageWindowMixin
 from .registry import register_format, register_method
 
@@ -258,12 +258,13 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
         "__annotations__": {}, "method": name, "validate": validate}))
     # A policy that moves resident slots does it after a prompt: one forward per prompt keeps those slots in full
     # precision until the compaction (module docstring).
-    mode = policy.prefill_mode if policy.keeps_all_tokens else PrefillMode.WHOLE
+    # (a policy that evicts key groups keeps its own chunks: its prompt stays held in full precision between them)
+    mode = policy.prefill_mode if policy.keeps_all_tokens or evicts_by_group(policy) else PrefillMode.WHOLE
     bases: tuple[type, ...] = (KiviStorageMixin, policy)
     if getattr(policy, "window_pages", False):  # a sliding window slides a page at a time (kivi_window.py)
         bases = (KiviStorageMixin, PageWindowMixin, policy)
     elif evicts_by_group(policy):  # decode evicts whole quantized key groups (kivi_heavy.py)
-        bases = (KiviStorageMixin, GroupEvictionMixin, policy)
+        bases = (HeldChunksMixin, KiviStorageMixin, GroupEvictionMixin, policy)
     elif getattr(policy, "compacts_after_scoring", False):  # its prompt held in full precision until the compaction
         bases = (ScoredPromptMixin, KiviStorageMixin, policy)
     return type(f"{policy.__name__}Kivi", bases, {

@@ -5,10 +5,11 @@ into its hole. Over KIVI pages either move would re-quantize a key group (keys s
 over ``G = group_size`` consecutive slots), and repeated re-quantization compounds the error. Here the unit of decode
 eviction is the key group itself, so nothing is ever re-quantized:
 
-* the prompt: H2O's accumulation and eviction run in full precision after one forward, then the kept tokens are
-  quantized once (as for every ``<policy>+kivi``; H2O's chunk-wise eviction happens once, after the prompt). Its
-  accumulation reads the prompt's full-precision view, whose pages are the storage's own (``AttentionView.pool_pages``
-  maps its scores back to the pool's slots);
+* the prompt: H2O's chunks (its own prefill mode, the same chunks as ``h2o`` alone), its accumulation and its
+  eviction after every chunk run in full precision: the kept tokens of a prompt whose chunks go on stay in a
+  full-precision buffer (``KiviStorage.settle_chunk``), read by the next chunk's view, and are quantized once after
+  the prompt's last chunk. The accumulation reads that view, whose pages are the storage's own
+  (``AttentionView.pool_pages`` maps its scores back to the pool's slots);
 * decode appends; the attention over pages and residual also writes its logits and log-sum-exp
   (``kivi_decode_attention_logits``), from which H2O's scores grow exactly as alone (the logits of quantized keys
   are those of their dequantized values);
@@ -51,6 +52,14 @@ def evicts_by_group(policy: type[SparseMethod]) -> bool:
             and policy.victim_values not in (None, POSITIONS))
 
 
+class HeldChunksMixin:
+    """Placed before :class:`~.kivi.KiviStorageMixin` (whose deferred steps are otherwise quantized when they end): a
+    prompt's chunks stay in full precision until its last one (``KiviStorage.settle_chunk``)."""
+
+    def finish_deferred(self, manager: CacheManager, step: StepState) -> None:
+        manager.storage.settle_chunk(step, [not done for done in step.ends_prompt])
+
+
 class GroupEvictionMixin:
     """Mixed in between :class:`~.kivi.KiviStorageMixin` and a policy for which :func:`evicts_by_group` holds: the
     module docstring's group eviction."""
@@ -91,9 +100,8 @@ class GroupEvictionMixin:
         return self.raised_budget(max(self.layer_budgets(1 << 40))) + self._group
 
     def memory_oracle(self, layout: KVLayout) -> MemoryOracle:
-        # one forward per prompt (PrefillMode.WHOLE): the prompt is held whole, then each layer keeps its budget
         return EvictionMemoryOracle(layout, lambda n: [min(n, b) for b in self.layer_budgets(n)],
-                                    self.row_decode_budget, self._group, False)
+                                    self.row_decode_budget, self._group, self.chunk_eviction)
 
     def row_decode_budget(self, prompt_len: int) -> int:
         return self.raised_budget(super().row_decode_budget(prompt_len))

@@ -242,16 +242,58 @@ class KiviStorage:
         (compaction) happen in them, truncations leave them alone, until :meth:`release_held`."""
         if not self._defer:
             return
-        work, rows = dict(self._work), list(self._step_rows)
-        if self._held_rows:  # another part of the same forward ended its prompt too: one buffer for both
+        self._add_held(dict(self._work), list(self._step_rows))
+        self._work.clear()
+        self._defer, self._before, self._step_rows = False, None, []
+
+    def settle_chunk(self, step: StepState, continuing: list[bool]) -> None:
+        """Instead of :meth:`commit_deferred`, after a deferred prefill step of a policy that evicts after every
+        chunk (``h2o+kivi``): the rows whose prompt goes on keep this step's full-precision buffer (held: the next
+        chunk's view reads their history from it, replacing what was held for them), the others are quantized from
+        it once (from slot 0 when their slots moved or were held, as :meth:`commit_deferred`)."""
+        if not self._defer:
+            return
+        rows, dev = list(self._step_rows), self.manager.layout.device
+        after = self.manager.slot_count_array(rows)
+        moved = after < self._before + np.asarray(step.num_new_host)[:, None]
+        held = np.array([r in self._held_rows for r in rows])[:, None]
+        start = np.where(moved | held, 0, self.spec.quantized(self._before))
+        self._forget_held(rows)  # their history is in this step's buffer now
+        go_on = np.asarray(continuing, dtype=bool)
+        for keep, pick in ((False, np.nonzero(~go_on)[0]), (True, np.nonzero(go_on)[0])):
+            if not len(pick):
+                continue
+            at = torch.as_tensor(pick, device=dev)
+            if keep:
+                self._add_held({layer: (wk[at], wv[at]) for layer, (wk, wv) in self._work.items()},
+                               [rows[i] for i in pick])
+                continue
+            for layer, (wk, wv) in sorted(self._work.items()):
+                self._commit_from(layer, step.rows[at], wk[at], wv[at], start[pick, layer], after[pick, layer])
+        self._work.clear()
+        self._defer, self._before, self._step_rows = False, None, []
+
+    def _add_held(self, work: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: list[int]) -> None:
+        """Hold ``work`` (layer -> W of ``rows``) beside what is held: one buffer, padded to the wider."""
+        if self._held_rows:
             def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                 width = max(a.shape[2], b.shape[2])  # (the last column stays a trash column)
                 return torch.cat([torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in (a, b)])
             work = {layer: tuple(joined(h, w) for h, w in zip(self._held[layer], work[layer])) for layer in work}
             rows = self._held_rows + rows
         self._held, self._held_rows = work, rows
-        self._work.clear()
-        self._defer, self._before, self._step_rows = False, None, []
+
+    def _forget_held(self, rows: list[int]) -> None:
+        """Drop the held buffers of ``rows`` (the others stay held)."""
+        rest = [i for i, r in enumerate(self._held_rows) if r not in rows]
+        if len(rest) == len(self._held_rows):
+            return
+        if not rest:
+            self._held, self._held_rows = {}, []
+            return
+        keep = torch.tensor(rest, device=self.manager.layout.device)
+        self._held = {layer: (wk[keep], wv[keep]) for layer, (wk, wv) in self._held.items()}
+        self._held_rows = [self._held_rows[i] for i in rest]
 
     def release_held(self, rows: list[int]) -> None:
         """Quantize the held rows among ``rows`` from their buffers (slot counts final), once, from slot 0."""
@@ -264,13 +306,7 @@ class KiviStorage:
         for layer, (wk, wv) in sorted(self._held.items()):
             self._commit_from(layer, torch.tensor(mine, device=dev), wk[index], wv[index],
                               np.zeros(len(mine), dtype=np.int64), after[:, layer])
-        rest = [i for i, r in enumerate(self._held_rows) if r not in mine]
-        if not rest:
-            self._held, self._held_rows = {}, []
-            return
-        keep = torch.tensor(rest, device=dev)
-        self._held = {layer: (wk[keep], wv[keep]) for layer, (wk, wv) in self._held.items()}
-        self._held_rows = [self._held_rows[i] for i in rest]
+        self._forget_held(mine)
 
     def _held_index(self, row_ids: list[int]) -> tuple[list[int], list[int]]:
         """Positions in a step's batch of its held rows, and theirs in the held buffers."""
