@@ -9,7 +9,8 @@ eviction is the key group itself, so nothing is ever re-quantized:
   eviction after every chunk run in full precision: the kept tokens of a prompt whose chunks go on stay in a
   full-precision buffer (``KiviStorage.settle_chunk``), read by the next chunk's view, and are quantized once after
   the prompt's last chunk. The accumulation reads that view, whose pages are the storage's own
-  (``AttentionView.pool_pages`` maps its scores back to the pool's slots);
+  (``AttentionView.pool_pages`` maps its scores back to the pool's slots). The held buffer (``budget + chunk``
+  slots a layer, the model's dtype) lives outside the pool: admission counts the pool's KIVI pages only;
 * decode appends; the attention over pages and residual also writes its logits and log-sum-exp
   (``kivi_decode_attention_logits``), from which H2O's scores grow exactly as alone (the logits of quantized keys
   are those of their dequantized values);
