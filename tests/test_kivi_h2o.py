@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kivi_checks import assert_quantized_once
 from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import sparsecompile
 from sparsecompile.config import MethodConfigError
-from sparsecompile.kernels.kivi_quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from sparsecompile.kernels.kivi_reference import kivi_view_kv
 from sparsecompile.methods.h2o import SCORE
 from sparsecompile.methods.kivi_heavy import GroupEvictionMixin
@@ -203,30 +203,12 @@ def test_chunked_prompt_is_quantized_once_from_full_precision():
                                    return_dict_in_generate=True))  # (the output holds the cache: rows stay live)
         managers.append(patched_model(model).controller.manager)
     dense, kivi = managers
-    st, lay = kivi.storage, kivi.layout
+    lay = kivi.layout
     checked = 0
     for row in kivi.live_rows:
         for layer in range(lay.num_layers):
-            count = kivi.slot_counts(row)[layer]
-            assert count == dense.slot_counts(row)[layer] == BUDGET
-            assert all(torch.equal(a, b) for a, b in zip(kivi.retained_positions(row, layer),
-                                                          dense.retained_positions(row, layer), strict=True))
-            quantized = int(st.spec.quantized(count))
-            slots, _ = dense.resident_slot_ids(layer, torch.tensor([row]), count)
-            k = dense.k_pool[slots[0] // PAGE, :, slots[0] % PAGE].transpose(0, 1)  # [H, count, D], slot order
-            v = dense.v_pool[slots[0] // PAGE, :, slots[0] % PAGE].transpose(0, 1)
-            kc, ks, kz = quantize_keys(k[:, :quantized].unflatten(1, (quantized // GROUP, GROUP)), 4,
-                                       st.spec.scale_dtype)
-            vc, vs, vz = quantize_values(v[:, :quantized], 4, st.spec.scale_dtype, GROUP)
-            index = torch.as_tensor(kivi._host_table[row, layer])[None, None, :].expand(1, lay.num_kv_heads, -1)
-            got_k, got_v, _, _ = kivi_view_kv(*st.page_tensors(), kivi.pos_pool, st.ring_k, st.ring_v,
-                                              torch.tensor([row * lay.num_layers + layer]), index,
-                                              torch.full((1, lay.num_kv_heads), count), torch.tensor([quantized]),
-                                              count)
-            assert torch.equal(got_k[0, :, :quantized], dequantize_keys(kc, ks, kz).flatten(1, 2))
-            assert torch.equal(got_v[0, :, :quantized], dequantize_values(vc, vs, vz))
-            assert torch.equal(got_k[0, :, quantized:], k[:, quantized:].float())  # the residual, as computed
-            checked += quantized
+            assert kivi.slot_counts(row)[layer] == BUDGET
+            checked += assert_quantized_once(dense, kivi, row, layer, 4, GROUP)
     assert checked == 2 * 2 * (BUDGET - RESIDUAL)
 
 

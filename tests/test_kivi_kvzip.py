@@ -8,6 +8,7 @@ group in slot order (quantized once, from full precision, after the compaction).
 from __future__ import annotations
 
 import torch
+from kivi_checks import assert_quantized_once
 from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
@@ -32,30 +33,11 @@ def _run(method: str, **extra):
 def test_kvzip_kivi_keeps_kvzips_entries_and_quantizes_them_once():
     dense, dense_out = _run("kvzip")  # (the output holds the cache: its rows stay live)
     kivi, out = _run("kvzip+kivi", bits=BITS, group_size=G, residual=RESIDUAL)
-    st, lay = kivi.storage, kivi.layout
+    lay = kivi.layout
     checked = 0
     for row in kivi.live_rows:
         for layer in range(lay.num_layers):
-            assert all(torch.equal(a, b) for a, b in zip(kivi.retained_positions(row, layer),
-                                                          dense.retained_positions(row, layer), strict=True))
-            count = kivi.slot_counts(row)[layer]
-            assert count == dense.slot_counts(row)[layer]
-            quantized = int(st.spec.quantized(count))
-            rows = torch.tensor([row])
-            slots, _ = dense.resident_slot_ids(layer, rows, count)  # [1, count] global slots
-            P = dense.layout.page_size
-            k = dense.k_pool[slots[0] // P, :, slots[0] % P].transpose(0, 1)[:, :quantized]  # [H, Q, D]
-            v = dense.v_pool[slots[0] // P, :, slots[0] % P].transpose(0, 1)[:, :quantized]
-            kc, ks, kz = quantize_keys(k.unflatten(1, (quantized // G, G)), BITS, st.spec.scale_dtype)
-            vc, vs, vz = quantize_values(v, BITS, st.spec.scale_dtype, G)
-            index = torch.as_tensor(kivi._host_table[row, layer])[None, None, :].expand(1, lay.num_kv_heads, -1)
-            got_k, got_v, _, _ = kivi_view_kv(*st.page_tensors(), kivi.pos_pool, st.ring_k, st.ring_v,
-                                              torch.tensor([row * lay.num_layers + layer]), index,
-                                              torch.full((1, lay.num_kv_heads), count), torch.tensor([quantized]),
-                                              count)
-            assert torch.equal(got_k[0, :, :quantized], dequantize_keys(kc, ks, kz).flatten(1, 2))
-            assert torch.equal(got_v[0, :, :quantized], dequantize_values(vc, vs, vz))
-            checked += quantized
+            checked += assert_quantized_once(dense, kivi, row, layer, BITS, G)
     assert checked > 0 and dense_out.sequences.shape == out.sequences.shape
     stats = sparsecompile.kv_stats(out.cache if hasattr(out, "cache") else out.past_key_values)
     assert stats.resident_tokens == sum(len(p) for r in dense.live_rows for layer in range(lay.num_layers)
