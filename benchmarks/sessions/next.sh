@@ -44,7 +44,8 @@
 # RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv
 # PAIRS=2 PROFILE=1 (0.969), warm_programs streamingllm,snapkv and pyramidkv,quest,omnikv (0.14-0.21 s; pyramidkv 6.6).
 # Then (CPU) h2o+kivi (methods/kivi_heavy.py: key-group eviction, the logits-writing KIVI decode kernel).
-# Next: kivi_h2o first (its GPU tests, never run); test_export_cuda alone; test_mixed_cuda; #18 on the two-GPU kind.
+# Next: kivi_h2o first (its GPU tests, never run), kivi_h2o_user; test_export_cuda alone; test_mixed_cuda; #18 on
+# the two-GPU kind.
 # 2026-12-04 tenth session: topk_radix (the tests' import was wrong: 5 failed; the radix select 51.8 us vs 202.2 at
 # 131K x 4 rows, omnikv 128K x 4 engine 442.6 -> 466.9 tok/s -> LONG_SEARCH = "radix", chunk 2048), gemv (templates
 # beat cuBLAS at batch 1 by 2-14 %; the step with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 fails to compile: fused q/k/v
@@ -570,13 +571,13 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
 kivi_h2o)  # #20: h2o+kivi on the GPU: the logits-writing KIVI decode kernel at the 8B shape and the composition's
-  # CUDA-graph decode against eager; kernel rows (with / without logits at budget-sized lists); h2o+kivi vs h2o through
-  # generate() at 32K x 1 (~6 min)
+  # CUDA-graph decode against eager; the kivi kernel rows, now with / without logits at budget-sized lists (~5 min)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -k "h2o or triton_vs_reference" > "$OUT/gpu_tests_kivi_h2o.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_h2o.log" | tail -4
-  timeout -s INT 120 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_h2o.log" 2>&1
-  echo "rc=$?"; grep "logits\|2-bit\"" "$OUT/kernels_kivi_h2o.log" | cut -c1-200 | head -12
-  timeout -s INT 260 python3 benchmarks/user_path.py --methods h2o,h2o+kivi --points 32768x1 --new-tokens 129 \
+  timeout -s INT 200 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_h2o.log" 2>&1
+  echo "rc=$?"; grep "logits\|2-bit\"" "$OUT/kernels_kivi_h2o.log" | cut -c1-200 | head -12 ;;
+kivi_h2o_user)  # #20: h2o+kivi against h2o through generate() at 32K x 1 (medians of two pairs; ~4.5 min)
+  timeout -s INT 280 python3 benchmarks/user_path.py --methods h2o,h2o+kivi --points 32768x1 --new-tokens 129 \
     --repeats 2 --no-engine --tag _h200_h2o_kivi --out "$OUT" > "$OUT/user_path_h2o_kivi.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/user_path_h2o_kivi.log" | cut -c1-250 ;;
 kivi)
