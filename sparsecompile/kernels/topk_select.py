@@ -301,8 +301,9 @@ LONG_SEARCHES = ("torch", "radix")
 # Rows past the one-program tile: the radix select (4x faster than the torch path at 131K scores on the H200).
 LONG_SEARCH = "radix"
 # Rows of at least this many scores take the radix select even within one program's tile (None: never). Quest's 32
-# rows of 8,208 pages at 128K x 4 fill 32 of 132 SMs with one program each (22 us a call, latency-bound); whether the
-# radix select's rows x chunks programs beat that is what ``kernel_bench.py --only ops`` times (not yet run).
+# rows of 8,208 pages at 128K x 4 fill 32 of 132 SMs with one program each; on the H200 the radix select's rows x
+# chunks programs took 41.7-45.1 us there against the one-program bisection's 18.0
+# (``results/kernels_ops_h200_argmax_radix_quest.jsonl``), so no row length takes it.
 RADIX_FROM: int | None = None
 
 

@@ -260,16 +260,15 @@ class KiviStorage:
         start = np.where(moved | held, 0, self.spec.quantized(self._before))
         self._forget_held(rows)  # their history is in this step's buffer now
         go_on = np.asarray(continuing, dtype=bool)
-        for keep, pick in ((False, np.nonzero(~go_on)[0]), (True, np.nonzero(go_on)[0])):
-            if not len(pick):
-                continue
-            at = torch.as_tensor(pick, device=dev)
-            if keep:
-                self._add_held({layer: (wk[at], wv[at]) for layer, (wk, wv) in self._work.items()},
-                               [rows[i] for i in pick])
-                continue
+        done, held_on = np.nonzero(~go_on)[0], np.nonzero(go_on)[0]
+        if len(done):
+            at = torch.as_tensor(done, device=dev)
             for layer, (wk, wv) in sorted(self._work.items()):
-                self._commit_from(layer, step.rows[at], wk[at], wv[at], start[pick, layer], after[pick, layer])
+                self._commit_from(layer, step.rows[at], wk[at], wv[at], start[done, layer], after[done, layer])
+        if len(held_on):
+            at = torch.as_tensor(held_on, device=dev)
+            self._add_held({layer: (wk[at], wv[at]) for layer, (wk, wv) in self._work.items()},
+                           [rows[i] for i in held_on])
         self._work.clear()
         self._defer, self._before, self._step_rows = False, None, []
 
