@@ -39,6 +39,12 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 twelfth session: kivi_h2o (h2o+kivi's GPU tests: 5 passed; logits 14.1 vs 12.5 us at 2,080 x 1), a
+# variant sweep of the KIVI kernel (offset codes for values / keys' scales folded into the query, both slower; the
+# stage and the variants removed, kept as sessions/kivi_offset_variants.patch), kivi_h2o_user (h2o 188.8, h2o+kivi
+# 109.5 tok/s at 32K x 1), user_points 32768x1 h2o+kivi PROFILE=1 (102.9 vs engine 99.1: host-bound, the per-layer
+# group eviction and per-step eager ops), ncu warp state of the KIVI kernel, test_mixed_cuda (8 passed).
+# Next: test_export_cuda alone; #18 on the two-GPU kind; h2o+kivi after its eviction is batched over layers.
 # 2026-12-04 eleventh session: ops_b (27 GPU tests passed: first_argmax, sampling, streamingllm+kivi / kvzip+kivi
 # CUDA graphs vs eager, selection; argmax 15.5 vs 28.8 us; radix at Quest's 32 x 8,208 rows 41.7 us vs bisect 18.0:
 # RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv
