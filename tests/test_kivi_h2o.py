@@ -8,6 +8,7 @@ and for the memory it holds (the oracle, the bound, pages in use)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kivi_checks import assert_quantized_once
@@ -241,9 +242,9 @@ def test_serving_evicts_groups_like_generate(monkeypatch):
     batches = []  # how many of a step's rows evicted, per eviction (engine, then generate())
     real = GroupEvictionMixin._evict_groups
 
-    def spy(self, manager, step, layer, at, counts):
-        batches.append((len(at), len(step.row_ids)))
-        return real(self, manager, step, layer, at, counts)
+    def spy(self, manager, step, layers, at, counts):
+        batches.append((len(np.unique(at)), len(step.row_ids)))
+        return real(self, manager, step, layers, at, counts)
 
     monkeypatch.setattr(GroupEvictionMixin, "_evict_groups", spy)
 

@@ -86,9 +86,9 @@ def check_positive(method: str, **values: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
-def resident(manager: CacheManager, layer: int, rows: torch.Tensor,
+def resident(manager: CacheManager, layer: int | torch.Tensor, rows: torch.Tensor,
              width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first ``width`` row-local slots of ``layer``.
+    """The first ``width`` row-local slots of ``layer`` (or of each row's own layer, ``[batch]``).
 
     Returns global slot ids per head ``[batch, kv_heads, width]`` (0 where invalid), ``valid [batch, 1, width]``
     and logical positions ``[batch, kv_heads, width]`` (-1 where invalid).

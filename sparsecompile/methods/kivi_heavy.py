@@ -117,21 +117,20 @@ class GroupEvictionMixin:
         over, layers = np.nonzero(counts >= self._decode_budget[rows][:, None] + G)
         if not len(over):
             return
-        for layer in np.unique(layers).tolist():
-            at = over[layers == layer]
-            self._evict_groups(manager, step, layer, at, counts[at, layer])
         held = counts[over, layers]
+        self._evict_groups(manager, step, layers, over, held)
         manager.truncate_many(rows[over], layers, held - G, reserve=held, storage_done=True)
 
-    def _evict_groups(self, manager: CacheManager, step: StepState, layer: int, at: np.ndarray,
+    def _evict_groups(self, manager: CacheManager, step: StepState, layers: np.ndarray, at: np.ndarray,
                       counts: np.ndarray) -> None:
-        """Device: pick each head's victim group among the step's batch entries ``at`` in ``layer`` (host ``counts``
-        slots each) and remove it."""
+        """Device: pick each head's victim group in every ``(at[i], layers[i])`` pair (``at`` the step's batch
+        entries, host ``counts`` slots each) and remove it; every pair in one set of ops (all layers of a row reach
+        ``budget + G`` at the same step: one eager op sequence per layer cost ~125 small ops a layer)."""
         G, dev = self._group, manager.layout.device
         quantized = self.storage.quantized(counts)
         recent = [self.recent_tokens(int(self._decode_budget[r])) for r in np.asarray(step.row_ids)[at]]
-        host = to_device(np.stack([at, quantized, counts, recent]).astype(np.int64), dev)
-        index, quant, count, recent_t = host
+        host = to_device(np.stack([at, layers, quantized, counts, recent]).astype(np.int64), dev)
+        index, layer, quant, count, recent_t = host
         rows = step.rows[index]
         width = int(quantized.max())
         slots, _, pos = resident(manager, layer, rows, width)  # [n, kv_heads, width]

@@ -196,9 +196,9 @@ class KiviStorage:
                              "be dropped")
         self._turn(to_device(rows * self.manager.layout.num_layers + layers, self.manager.layout.device), P)
 
-    def turn_rings(self, layer: int, rows: torch.Tensor, shift: int) -> None:
-        """Slots of ``rows`` in ``layer`` moved down by ``shift``: each ring turns so that slot ``s - shift`` finds
-        what slot ``s`` held."""
+    def turn_rings(self, layer: int | torch.Tensor, rows: torch.Tensor, shift: int) -> None:
+        """Slots of ``rows`` in ``layer`` (or each row's own, ``[batch]``) moved down by ``shift``: each ring turns so
+        that slot ``s - shift`` finds what slot ``s`` held."""
         self._turn(self._ring_rows(layer, rows), shift)
 
     def _turn(self, ring: torch.Tensor, shift: int) -> None:
@@ -313,7 +313,8 @@ class KiviStorage:
         return [i for i, _ in pairs], [j for _, j in pairs]
 
     # ------------------------------------------------------------------ device, per layer
-    def _ring_rows(self, layer: int, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def _ring_rows(self, layer: int | torch.Tensor, rows: torch.Tensor,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
         ring = rows * self.manager.layout.num_layers + layer
         return ring if valid is None else torch.where(valid, ring, self.ring_k.shape[0] - 1)
 

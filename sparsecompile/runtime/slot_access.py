@@ -72,14 +72,15 @@ class SlotAccess:
 
     def _check_row(self, row: int) -> None: ...
 
-    def layer_key(self, layer: int) -> torch.Tensor:
+    def layer_key(self, layer: int | torch.Tensor) -> torch.Tensor:
         """``layer`` as a ``[1]`` device tensor, the index of traced ``lengths`` / ``block_table`` lookups (see
-        ``CacheManager.__init__``: one kernel for all layers instead of one per layer)."""
-        return self._layer_keys[layer]
+        ``CacheManager.__init__``: one kernel for all layers instead of one per layer). A tensor ``[batch]`` (device)
+        names each row's own layer: eager edits of many ``(row, layer)`` pairs in one set of ops."""
+        return layer if isinstance(layer, torch.Tensor) else self._layer_keys[layer]
 
     # ------------------------------------------------------------------ device side (traceable)
-    def global_slots(self, layer: int, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1)."""
+    def global_slots(self, layer: int | torch.Tensor, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Row-local slot indices ``[batch, ...]`` -> global slot ids (-1 stays -1); ``layer`` as :meth:`layer_key`."""
         table = self.block_table[rows, self.layer_key(layer)]  # [batch, max_pages]
         flat = local.reshape(local.shape[0], -1)
         return table_slots(table, flat, self.layout.page_size).reshape(local.shape)
@@ -183,7 +184,8 @@ class SlotAccess:
         if self.storage is not None:
             self.storage.end_layer(layer, step)
 
-    def resident_slot_ids(self, layer: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def resident_slot_ids(self, layer: int | torch.Tensor, rows: torch.Tensor,
+                          width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slot ids of the first ``width`` row-local slots ``[batch, width]`` and their validity."""
         local = torch.arange(width, device=rows.device)[None, :].expand(rows.shape[0], -1)
         valid = local < self.lengths[rows, self.layer_key(layer)][:, None]
@@ -201,8 +203,8 @@ class SlotAccess:
             pools = pools[2:]
         self._move_in_pools(pools, layer, rows, src, dst)
 
-    def _move_in_pools(self, pools: list[torch.Tensor], layer: int, rows: torch.Tensor, src: torch.Tensor,
-                       dst: torch.Tensor) -> None:
+    def _move_in_pools(self, pools: list[torch.Tensor], layer: int | torch.Tensor, rows: torch.Tensor,
+                       src: torch.Tensor, dst: torch.Tensor) -> None:
         H = self.layout.num_kv_heads
         batch, _, n = src.shape
         both = self.global_slots(layer, rows, torch.stack([src, dst], 1)).reshape(batch, 2, H, n)  # one lookup
@@ -212,10 +214,10 @@ class SlotAccess:
         for pool, values in zip(pools, moved):
             pool.index_put_(dst_index, values)
 
-    def remove_groups(self, layer: int, rows: torch.Tensor, victims: torch.Tensor, quantized: torch.Tensor,
+    def remove_groups(self, layers: torch.Tensor, rows: torch.Tensor, victims: torch.Tensor, quantized: torch.Tensor,
                       counts: torch.Tensor, width: int) -> None:
-        """Per KV head, one quantized key group of KIVI storage leaves each ``(row, layer)`` (eager, no host sync):
-        ``victims [batch, kv_heads]`` the group's index; ``quantized, counts [batch]`` the pair's quantized and used
+        """Per KV head, one quantized key group of KIVI storage leaves each ``(rows[i], layers[i])`` pair (eager, no
+        host sync; every pair in one set of ops): ``victims [batch, kv_heads]`` the group's index; ``quantized, counts [batch]`` the pair's quantized and used
         slots; ``width >= counts - quantized`` (static). The last quantized group (slots ``quantized - G ..``) moves
         whole into the victim's slots (codes, scales, zeros, positions and slot metadata: nothing is re-quantized)
         and the residual's slots ``[quantized, counts)`` move down by ``G`` (positions and metadata; the ring turns).
@@ -227,13 +229,13 @@ class SlotAccess:
         moving = (victims[..., None] * G != q - G)  # [batch, kv_heads, 1]: the victim is not the last group
         src = torch.where(moving, (q - G + tok).expand(-1, H, -1), -1)
         dst = torch.where(moving, victims[..., None] * G + tok, -1)
-        first = self.global_slots(layer, rows, torch.stack([src[..., 0], dst[..., 0]], 1))  # [batch, 2, kv_heads]
+        first = self.global_slots(layers, rows, torch.stack([src[..., 0], dst[..., 0]], 1))  # [batch, 2, kv_heads]
         self.storage.move_groups(first[:, 0], first[:, 1])
         ring = q + torch.arange(width, device=dev)  # [batch, 1, width]
         ring = torch.where(ring < counts.long()[:, None, None], ring, -1).expand(-1, H, -1)
-        self._move_in_pools(self._slot_pools()[2:], layer, rows, torch.cat([src, ring], -1),
+        self._move_in_pools(self._slot_pools()[2:], layers, rows, torch.cat([src, ring], -1),
                             torch.cat([dst, torch.where(ring >= 0, ring - G, -1)], -1))
-        self.storage.turn_rings(layer, rows, G)
+        self.storage.turn_rings(layers, rows, G)
 
     def fill_slots(self, layer: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """:meth:`move_slots` when, per ``(row, head)``, no destination is also a source (decode eviction filling
