@@ -44,7 +44,8 @@
 # stage and the variants removed, kept as sessions/kivi_offset_variants.patch), kivi_h2o_user (h2o 188.8, h2o+kivi
 # 109.5 tok/s at 32K x 1), user_points 32768x1 h2o+kivi PROFILE=1 (102.9 vs engine 99.1: host-bound, the per-layer
 # group eviction and per-step eager ops), ncu warp state of the KIVI kernel, test_mixed_cuda (8 passed).
-# Next: test_export_cuda alone; #18 on the two-GPU kind; h2o+kivi after its eviction is batched over layers.
+# Then kivi_h2o_batched (h2o+kivi 187.3 vs h2o 182.4 tok/s after the eviction was batched over layers; register
+# caps 96 / 80 / 64: within noise or slower). Next: test_export_cuda alone; #18 on the two-GPU kind.
 # 2026-12-04 eleventh session: ops_b (27 GPU tests passed: first_argmax, sampling, streamingllm+kivi / kvzip+kivi
 # CUDA graphs vs eager, selection; argmax 15.5 vs 28.8 us; radix at Quest's 32 x 8,208 rows 41.7 us vs bisect 18.0:
 # RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv
@@ -576,6 +577,15 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_h2o_batched)  # #20: h2o+kivi after its group eviction was batched over layers: its CUDA-graph GPU test,
+  # generate() against h2o at 32K x 1; the KIVI kernel under register caps (sessions/kivi_regcap.py) (~6 min)
+  timeout -s INT 150 $P tests/gpu/test_kivi_cuda.py -k "h2o" > "$OUT/gpu_tests_kivi_h2o_batched.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_h2o_batched.log" | tail -3
+  timeout -s INT 240 python3 benchmarks/user_path.py --methods h2o,h2o+kivi --points 32768x1 --new-tokens 129 \
+    --repeats 2 --no-engine --tag _h200_h2o_kivi_batched --out "$OUT" > "$OUT/user_path_h2o_kivi_batched.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/user_path_h2o_kivi_batched.log" | cut -c1-250
+  timeout 90 python3 benchmarks/sessions/kivi_regcap.py > "$OUT/kivi_regcap_h200.jsonl" 2> "$OUT/kivi_regcap.err"
+  echo "regcap rc=$?"; cut -c1-160 "$OUT/kivi_regcap_h200.jsonl"; tail -2 "$OUT/kivi_regcap.err" ;;
 kivi_h2o)  # #20: h2o+kivi on the GPU: the logits-writing KIVI decode kernel at the 8B shape and the composition's
   # CUDA-graph decode against eager; the kivi kernel rows, now with / without logits at budget-sized lists (~5 min)
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -k "h2o or triton_vs_reference" > "$OUT/gpu_tests_kivi_h2o.log" 2>&1

@@ -17,8 +17,8 @@ eviction is the key group itself, so nothing is ever re-quantized:
 * after a step, a ``(row, layer)`` holding ``budget + G`` slots gives up, in each KV head, the quantized group with the
   lowest *summed* score among the groups none of whose tokens is in the recent window (ties: the lowest group). The
   row's last quantized group moves whole into its slots and the residual's slots move down by ``G``
-  (:meth:`SlotAccess.remove_groups`). Between steps a layer holds ``budget`` to ``budget + G - 1`` tokens (H2O:
-  ``budget``);
+  (:meth:`SlotAccess.remove_groups`; every pair of a step in one set of eager ops, between compiled steps).
+  Between steps a layer holds ``budget`` to ``budget + G - 1`` tokens (H2O: ``budget``);
 * a group outside the recent window must always exist: ``budget >= max(recent, residual) + G`` (an explicit budget
   below it is refused with the reason; a ``ratio`` budget is raised to it). H2O's ``interval`` does not apply.
 
