@@ -218,10 +218,11 @@ class SlotAccess:
                       counts: torch.Tensor, width: int) -> None:
         """Per KV head, one quantized key group of KIVI storage leaves each ``(rows[i], layers[i])`` pair (eager, no
         host sync; every pair in one set of ops): ``victims [batch, kv_heads]`` the group's index; ``quantized,
-        counts [batch]`` the pair's quantized and used slots; ``width >= counts - quantized`` (static). The last quantized group (slots ``quantized - G ..``) moves
-        whole into the victim's slots (codes, scales, zeros, positions and slot metadata: nothing is re-quantized)
-        and the residual's slots ``[quantized, counts)`` move down by ``G`` (positions and metadata; the ring turns).
-        The caller then shrinks the pairs by ``G`` slots (``truncate_many(..., storage_done=True)``)."""
+        counts [batch]`` the pair's quantized and used slots; ``width >= counts - quantized`` (static). The last
+        quantized group (slots ``quantized - G ..``) moves whole into the victim's slots (codes, scales, zeros,
+        positions and slot metadata: nothing is re-quantized) and the residual's slots ``[quantized, counts)`` move
+        down by ``G`` (positions and metadata; the ring turns). The caller then shrinks the pairs by ``G`` slots
+        (``truncate_many(..., storage_done=True)``)."""
         G, H = self.storage.spec.group_size, self.layout.num_kv_heads
         dev = victims.device
         q = quantized.long()[:, None, None]
