@@ -137,10 +137,15 @@ def test_decode_evicts_the_formulas_group_and_never_requantizes(monkeypatch):
     watch = _Watch()
     real = GroupEvictionMixin._evict_groups
 
-    def spy(self, manager, step, layer, at, counts):
+    def spy(self, manager, step, layers, at, counts):
+        if not watch.checked and watch.before is None:
+            # scores that differ in every layer, row and head (a random model's accumulated scores rank the groups
+            # alike everywhere): a victim picked from another pair's scores or positions shows
+            pool = manager.slot_metadata[SCORE]
+            pool.copy_(torch.rand(pool.shape, generator=torch.Generator().manual_seed(3)) * 1000)
         if watch.before is None:
             watch.before = _state(manager)  # every layer's state before this step's evictions
-        return real(self, manager, step, layer, at, counts)
+        return real(self, manager, step, layers, at, counts)
 
     monkeypatch.setattr(GroupEvictionMixin, "_evict_groups", spy)
     ids, mask = _inputs()
