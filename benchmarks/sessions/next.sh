@@ -45,7 +45,9 @@
 # 109.5 tok/s at 32K x 1), user_points 32768x1 h2o+kivi PROFILE=1 (102.9 vs engine 99.1: host-bound, the per-layer
 # group eviction and per-step eager ops), ncu warp state of the KIVI kernel, test_mixed_cuda (8 passed).
 # Then kivi_h2o_batched (h2o+kivi 187.3 vs h2o 182.4 tok/s after the eviction was batched over layers; register
-# caps 96 / 80 / 64: within noise or slower). Next: test_export_cuda alone; #18 on the two-GPU kind.
+# caps 96 / 80 / 64: within noise or slower). Next: test_export_cuda alone; #18 on the two-GPU kind; for #20 the
+# kernel needs operand layouts plain Triton does not expose (Gluon's explicit layouts, or codes stored for the
+# non-transposed value MMA), and the compositions' full-precision prompt buffers are not counted by admission.
 # 2026-12-04 eleventh session: ops_b (27 GPU tests passed: first_argmax, sampling, streamingllm+kivi / kvzip+kivi
 # CUDA graphs vs eager, selection; argmax 15.5 vs 28.8 us; radix at Quest's 32 x 8,208 rows 41.7 us vs bisect 18.0:
 # RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv
