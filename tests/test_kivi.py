@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import left_padded_batch, tiny_pair
+from tiny_models import left_padded_batch, tiny_config, tiny_pair
 
 import sparsecompile
 from sparsecompile.config import EngineConfig, MethodConfigError
@@ -16,6 +16,7 @@ from sparsecompile.methods import build_runtime, method_class
 from sparsecompile.methods.h2o import H2ORuntime
 from sparsecompile.methods.kivi import kivi_refusal
 from sparsecompile.runtime.controller import SparseController
+from sparsecompile.runtime.memory_oracle import PROMPT_BUFFER
 from sparsecompile.runtime.model_info import ModelInfo
 
 LAYERS, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 16
@@ -249,14 +250,66 @@ def test_option_errors_and_compositions():
 
 
 def test_serving_pool_size_follows_the_bytes():
-    """The engine's KV budget pays the residual rings of every row, then as many (cheaper) KIVI pages as fit."""
+    """The engine's KV budget pays the residual rings of every row and the room for one ``max_model_len`` prompt's
+    full-precision buffers, then as many (cheaper) KIVI pages as fit."""
     reference, model = tiny_pair("llama")
-    budget = 120_000
+    budget = 300_000
     llm = sparsecompile.LLM(model, "snapkv+kivi", tokenizer=object(), budget=16, window=4, group_size=16, residual=16,
-                            kv_cache_memory=budget, max_num_seqs=4, max_idle_chains=2)
-    m = llm.llm_engine.manager
+                            kv_cache_memory=budget, max_num_seqs=4, max_idle_chains=2, max_model_len=256)
+    engine = llm.llm_engine
+    m, oracle = engine.manager, engine.controller.oracle
     assert m.max_seqs == 7 and m.bytes_per_row > 0  # 4 requests + 2 idle chains + the decode padding row
-    assert m.num_pages == (budget - 7 * m.bytes_per_row) // m.bytes_per_page
+    assert oracle.buffer_budget == oracle.prompt_buffer_bytes(256) > 0
+    assert m.num_pages == (budget - 7 * m.bytes_per_row - oracle.buffer_budget) // m.bytes_per_page
+    assert engine.scheduler.capacity[PROMPT_BUFFER] == oracle.buffer_budget
+
+
+@pytest.mark.parametrize("method,options,copies", [
+    ("kivi", {}, 0),
+    ("snapkv+kivi", dict(budget=96, window=8), 1),
+    ("pyramidkv+kivi", dict(budget=96, window=8), 1),
+    ("streamingllm+kivi", dict(budget=96, sinks=4), 1),
+    ("kvzip+kivi", dict(budget=96, chunk=64), 2),
+    ("h2o+kivi", dict(budget=96, recent=32, prefill_chunk_size=64), 2)])
+def test_prompt_buffers_stay_within_the_oracles_bytes(monkeypatch, method, options, copies):
+    """The full-precision buffers a composition keeps outside the pool while it compacts a prompt (every layer's, and
+    the held ones) never exceed the oracle's ``prompt_buffer_bytes``, which admission reserves; one copy of the
+    policy's prefill peak for a compaction at the prompt's end (exactly), two for KVzip and H2O (a held prompt
+    beside a scoring pass's or the next chunk's); ``kivi`` alone quantizes each layer as it goes (one layer's
+    transient buffer, not counted)."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsecompile.models.hf_patch import patched_model
+    from sparsecompile.runtime.kivi import KiviStorage
+
+    peak = []
+    real = KiviStorage._materialize
+
+    def probe(self, layer, step):
+        view = real(self, layer, step)
+        peak.append(sum(t.nbytes for pair in [*self._work.values(), *self._held.values()] for t in pair))
+        return view
+
+    monkeypatch.setattr(KiviStorage, "_materialize", probe)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=128, num_attention_heads=4,
+                                                         num_key_value_heads=2, head_dim=32)).eval()
+    sparsecompile.optimize(model, method, compile=False, bits=2, residual=32, **options)
+    oracle = patched_model(model).controller.oracle
+    for n in (150, 300):
+        peak.clear()
+        model.generate(torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(n)), max_new_tokens=2,
+                       do_sample=False)
+        one = oracle.prompt_buffer_bytes(n) // max(copies, 1)
+        assert oracle.prompt_buffer_bytes(n) == copies * one
+        if copies == 1:
+            assert max(peak) == one  # the whole prompt, every layer, until the compacting step ends
+        elif copies:
+            assert one < max(peak) <= copies * one
+        else:  # one layer's buffer at a time
+            lay = oracle.layout
+            layer = (-(-n // lay.page_size) * lay.page_size + 1) * 2 * lay.num_kv_heads * lay.head_dim * 4
+            assert one == 0 and max(peak) == layer
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from sparsecompile.methods.eviction import EvictionMemoryOracle
 from sparsecompile.runtime.cache_manager import CacheManager, KVLayout
-from sparsecompile.runtime.memory_oracle import DenseMemoryOracle
+from sparsecompile.runtime.memory_oracle import PROMPT_BUFFER, DenseMemoryOracle
 from sparsecompile.serving.outputs import RequestMetrics, RequestRejected, SamplingParams
 from sparsecompile.serving.scheduler import Request, RequestStatus, Scheduler
 
@@ -24,9 +24,21 @@ LAYERS, PAGE, PAGES, MAX_LEN = 2, 4, 48, 64
 LAYOUT = KVLayout(LAYERS, 1, 4, PAGE, torch.float32, torch.device("cpu"))
 
 
+class BufferedOracle(EvictionMemoryOracle):
+    """SnapKV-like, and each prompt keeps ``10 * prompt_len`` bytes outside the pool until its last chunk (a KIVI
+    composition's full-precision prompt), with room for one ``MAX_LEN`` prompt."""
+
+    def prompt_buffer_bytes(self, prompt_len: int) -> int:
+        return 10 * prompt_len
+
+
 def make_oracle(kind: str):
     if kind == "dense":
         return DenseMemoryOracle(LAYOUT)
+    if kind == "buffered":
+        oracle = BufferedOracle(LAYOUT, lambda n: [min(n, 12), min(n, 8)])
+        oracle.buffer_budget = oracle.prompt_buffer_bytes(MAX_LEN)
+        return oracle
     if kind == "eviction":  # SnapKV-like: compact the prompt to 12 slots, then append
         return EvictionMemoryOracle(LAYOUT, lambda n: [min(n, 12), min(n, 8)])
     # H2O-like: budget 12, evict back to it every 3 decode tokens
@@ -63,6 +75,13 @@ class Executor:
             scheduler.decode_done(r)
             self._set(r, self.oracle.resident_slots_per_layer(n, r.num_decoded))
             self._emit(scheduler, r, stop_now)
+        room = scheduler.capacity.get(PROMPT_BUFFER, 0)
+        if room and plan.prefill:  # the step's buffers (padded to its widest row) and the other started prompts'
+            need = [self.oracle.prompt_buffer_bytes(len(c.request.prefill_ids)) for c in plan.prefill]
+            step = [c.request for c in plan.prefill]
+            held = sum(self.oracle.prompt_buffer_bytes(len(r.prefill_ids)) for r in scheduler.running
+                       if r.status is RequestStatus.PREFILLING and r.row is not None and r not in step)
+            assert len(need) * max(need) + held <= room
         for chunk in plan.prefill:
             r = chunk.request
             if r.row is None:
@@ -87,7 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.admitted: dict[str, Request] = {}
         self.stop_now: set[str] = set()
 
-    @rule(kind=st.sampled_from(["dense", "eviction", "interval"]),
+    @rule(kind=st.sampled_from(["dense", "eviction", "interval", "buffered"]),
           mode=st.sampled_from(["chunked", "aligned", "whole"]),
           budget=st.integers(4, 40), seqs=st.integers(1, 4), while_decoding=st.none() | st.integers(1, 12))
     @precondition(lambda self: not hasattr(self, "scheduler"))
@@ -157,6 +176,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(r.status is RequestStatus.FINISHED for r in self.admitted.values())
         assert self.executor.manager.allocator.num_free == PAGES
         assert self.scheduler.reserved["kv_pages"] == 0
+        assert self.scheduler.reserved.get(PROMPT_BUFFER, 0) == 0
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
@@ -219,3 +239,27 @@ def test_steps_that_decode_carry_at_most_the_capped_prompt_tokens() -> None:
         chunks += [(c.start, c.stop) for c in plan.prefill]
         ex.run(s, plan, set())
     assert chunks == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 22)]
+
+
+def test_prompt_buffers_serialize_long_prompts_and_keep_short_ones_together() -> None:
+    """Room for one ``MAX_LEN`` prompt's buffers: two long prompts are prefilled one after the other (the second is
+    admitted once the first's last chunk ran), short prompts share steps, and a short prompt does not share a step
+    with a long one whose width would pad it past the room."""
+    oracle = make_oracle("buffered")
+    s = Scheduler(oracle, PAGES, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64,
+                  prefill_mode="chunked", max_model_len=MAX_LEN)
+    assert s.capacity[PROMPT_BUFFER] == 10 * MAX_LEN
+    ex = Executor(oracle)
+    long_a, long_b = (Request(k, [1] * 40, SamplingParams(max_tokens=2), RequestMetrics(0.0)) for k in "ab")
+    shorts = [Request(f"s{i}", [2] * 6, SamplingParams(max_tokens=2), RequestMetrics(0.0)) for i in range(3)]
+    for r in (long_a, long_b, *shorts):
+        s.add(r)
+    steps = []
+    while s.has_unfinished:
+        plan = s.schedule()
+        steps.append([c.request.request_id for c in plan.prefill])
+        ex.run(s, plan, set())
+    assert steps[0] == ["a"]  # b's 400 bytes do not fit beside a's (640 of room): b waits, and the queue behind it
+    assert steps[1] == ["b"]  # a ended its prompt: its buffer went back
+    assert sorted(steps[2]) == ["s0", "s1", "s2"]  # 3 x 60 bytes: together
+    assert s.reserved.get(PROMPT_BUFFER, 0) == 0

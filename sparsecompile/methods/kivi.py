@@ -104,9 +104,9 @@ class KiviMemoryOracle(MemoryOracle):
     """The policy's slots and pages (a KIVI page holds as many slots as a dense one, in fewer bytes: the pool is sized
     with ``CacheManager.bytes_per_page``), plus the exact K/V bytes of those slots (:meth:`kv_bytes`)."""
 
-    def __init__(self, base: MemoryOracle, layout: KVLayout, spec: KiviSpec) -> None:
+    def __init__(self, base: MemoryOracle, layout: KVLayout, spec: KiviSpec, prompt_copies: int = 0) -> None:
         super().__init__(layout)
-        self.base, self.spec = base, spec
+        self.base, self.spec, self.prompt_copies = base, spec, prompt_copies
 
     @property
     def prefill_chunk(self) -> int | None:  # the controller sets it; the policy's oracle reads it
@@ -125,6 +125,16 @@ class KiviMemoryOracle(MemoryOracle):
     def held_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
         return self.base.held_slots_per_layer(prompt_len, generated)
 
+    def prompt_buffer_bytes(self, prompt_len: int) -> int:
+        """A composition's full-precision prompt buffers (``KiviStorage._materialize``: every layer's K and V of the
+        row's slots at the policy's prefill peak, padded to pages plus a trash slot, in the model's dtype), kept until
+        the step that compacts the prompt ends (``commit_deferred``), ``prompt_copies`` of them at once (KVzip: the
+        held prompt and a scoring pass's buffer; H2O: the held chunks and the next chunk's)."""
+        lay, P = self.layout, self.layout.page_size
+        per_slot = 2 * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
+        peak = self.base.peak_slots_per_layer(prompt_len, 0)
+        return self.prompt_copies * sum((-(-int(s) // P) * P + 1) * per_slot for s in peak)
+
     def kv_bytes(self, slots_per_layer: list[int]) -> int:
         """Codes, scales, zeros and full-precision residual of these slot counts, all KV heads (positions and the
         ring's unused capacity not counted: ``CacheManager.bytes_per_row`` is the ring)."""
@@ -141,6 +151,9 @@ class KiviStorageMixin:
 
     storage_format: ClassVar[str] = "kivi"
     keeps_all_tokens = False  # a crop would have to un-quantize: refused like eviction methods' (controller)
+    #: Full-precision copies of the prompt kept outside the pool at once until the policy has compacted it (the
+    #: oracle's ``prompt_buffer_bytes``); ``kivi`` alone quantizes each layer as it goes.
+    prompt_copies: ClassVar[int] = 1
     needs_cache_access = True
     # A layer's commit quantizes into the pages its attention just read: with inductor's locality reordering the read
     # sank past the write, which then copied every page tensor once per layer: lifecycle order keeps the commit in
@@ -153,7 +166,7 @@ class KiviStorageMixin:
         check_geometry(self.name, self.storage, model)
 
     def memory_oracle(self, layout: KVLayout) -> MemoryOracle:
-        return KiviMemoryOracle(super().memory_oracle(layout), layout, self.storage)
+        return KiviMemoryOracle(super().memory_oracle(layout), layout, self.storage, self.prompt_copies)
 
     def prepare_step(self, manager: CacheManager, step: StepState) -> None:
         super().prepare_step(manager, step)
@@ -178,6 +191,8 @@ class ScoredPromptMixin:
     then are the kept entries quantized, once (``release_held``; at once for prompts that fit the budget and are not
     re-read). Placed before :class:`KiviStorageMixin` in the composed class."""
 
+    prompt_copies = 2  # the held prompt, and a scoring pass's own buffer beside it
+
     def defers_step(self, manager: CacheManager, step: StepState) -> bool:
         return super().defers_step(manager, step) or bool(step.is_prefill and np.any(step.ends_prompt))
 
@@ -201,6 +216,7 @@ class KiviRuntime(KiviStorageMixin, SparseMethod):
 
     name = "kivi"
     config_class = KiviConfig
+    prompt_copies = 0
 
 
 # ---------------------------------------------------------------------------------------------------- composition

@@ -10,7 +10,8 @@ eviction is the key group itself, so nothing is ever re-quantized:
   full-precision buffer (``KiviStorage.settle_chunk``), read by the next chunk's view, and are quantized once after
   the prompt's last chunk. The accumulation reads that view, whose pages are the storage's own
   (``AttentionView.pool_pages`` maps its scores back to the pool's slots). The held buffer (``budget + chunk``
-  slots a layer, the model's dtype) lives outside the pool: admission counts the pool's KIVI pages only;
+  slots a layer, the model's dtype) lives outside the pool: the oracle's ``prompt_buffer_bytes`` counts it and the
+  next chunk's buffer beside it (``prompt_copies = 2``);
 * decode appends; the attention over pages and residual also writes its logits and log-sum-exp
   (``kivi_decode_attention_logits``), from which H2O's scores grow exactly as alone (the logits of quantized keys
   are those of their dequantized values);
@@ -56,6 +57,8 @@ def evicts_by_group(policy: type[SparseMethod]) -> bool:
 class HeldChunksMixin:
     """Placed before :class:`~.kivi.KiviStorageMixin` (whose deferred steps are otherwise quantized when they end): a
     prompt's chunks stay in full precision until its last one (``KiviStorage.settle_chunk``)."""
+
+    prompt_copies = 2  # the held chunks, and the next chunk's buffer while it runs
 
     def finish_deferred(self, manager: CacheManager, step: StepState) -> None:
         manager.storage.settle_chunk(step, [not done for done in step.ends_prompt])

@@ -11,6 +11,9 @@ from abc import ABC, abstractmethod
 
 from .cache_manager import KVLayout
 
+#: The second resource: bytes of prompt buffers outside the pool (:meth:`MemoryOracle.prompt_buffer_bytes`).
+PROMPT_BUFFER = "prompt_buffer_bytes"
+
 
 class MemoryOracle(ABC):
     """Capacity model of one method over one :class:`KVLayout`."""
@@ -18,6 +21,9 @@ class MemoryOracle(ABC):
     #: Prompt tokens per prefill forward when the scheduler knows it (None: one forward per prompt); methods whose
     #: prefill peak depends on it (chunk-wise eviction) read it.
     prefill_chunk: int | None = None
+    #: Bytes the serving engine leaves outside the pool for prompt buffers (:meth:`prompt_buffer_bytes`), set when it
+    #: sizes the pool from memory; 0: not counted (a pool of a given size, ``generate()``).
+    buffer_budget: int = 0
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
@@ -41,13 +47,25 @@ class MemoryOracle(ABC):
             return len(slots) * -(-int(slots[0]) // P)  # this per running request and step
         return sum(-(-int(s) // P) for s in slots)
 
+    def prompt_buffer_bytes(self, prompt_len: int) -> int:
+        """Bytes outside the pool one row may use while its prompt of ``prompt_len`` tokens is prefilled (a storage
+        format's full-precision buffers, kept across layers or steps until its last chunk's step ends); 0: none."""
+        return 0
+
     def resources(self, free_pages: int) -> dict[str, int]:
-        """Named budgets still available (unit: pages of ``page_size`` tokens x all KV heads)."""
-        return {"kv_pages": free_pages}
+        """Named budgets still available: ``kv_pages`` (pages of ``page_size`` tokens x all KV heads) and, when counted,
+        :data:`PROMPT_BUFFER` (bytes)."""
+        return {"kv_pages": free_pages, **({PROMPT_BUFFER: self.buffer_budget} if self.buffer_budget else {})}
+
+    def prompt_cost(self, prompt_len: int) -> dict[str, int]:
+        """What a prompt reserves besides pages from its admission to its last chunk (when counted)."""
+        need = self.prompt_buffer_bytes(prompt_len) if self.buffer_budget else 0
+        return {PROMPT_BUFFER: need} if need else {}
 
     def admission_cost(self, prompt_len: int, max_new_tokens: int) -> dict[str, int]:
         """Reservation that guarantees the request can run to completion."""
-        return {"kv_pages": self.pages_for(self.peak_slots_per_layer(prompt_len, max_new_tokens))}
+        return {"kv_pages": self.pages_for(self.peak_slots_per_layer(prompt_len, max_new_tokens)),
+                **self.prompt_cost(prompt_len)}
 
     def step_cost(self, prompt_len: int, generated: int, new_tokens: int) -> dict[str, int]:
         """Extra pages the next step (``new_tokens`` more) allocates beyond what is resident now.

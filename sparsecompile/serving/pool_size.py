@@ -43,16 +43,21 @@ def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
 
 def pages_from_memory(controller: SparseController, budget: int, max_model_len: int, max_num_seqs: int,
                       rows: int) -> int:
-    """Pages that fit ``budget`` bytes once ``rows`` rows' own bytes are paid (KIVI's residual rings), capped by
-    what ``max_num_seqs`` requests of ``max_model_len`` tokens could use; refused when not one token fits."""
+    """Pages that fit ``budget`` bytes once ``rows`` rows' own bytes are paid (KIVI's residual rings) and room is left
+    for one ``max_model_len`` prompt's buffers outside the pool (the oracle's ``buffer_budget``, set here: the
+    scheduler reserves prompts' buffers against it), capped by what ``max_num_seqs`` requests of ``max_model_len``
+    tokens could use; refused when not one token fits."""
     c = controller
     probe = c.build_pool(1, 1, 1)  # registers the method's metadata, so its bytes count per page
     per_page = probe.bytes_per_page
-    left = budget - rows * probe.bytes_per_row
+    c.oracle.buffer_budget = c.oracle.prompt_buffer_bytes(max_model_len)
+    left = budget - rows * probe.bytes_per_row - c.oracle.buffer_budget
     useful = max_num_seqs * c.oracle.pages_for(c.oracle.peak_slots_per_layer(max_model_len, 0))
     pages = min(left // per_page, useful)
     if pages < c.layout.num_layers:
+        buffers = f" and {c.oracle.buffer_budget} bytes of prompt buffers" if c.oracle.buffer_budget else ""
         raise ValueError(f"kv_cache_memory={budget} bytes holds {max(left, 0) // per_page} pages of {per_page} bytes "
-                         f"after {rows} rows of {probe.bytes_per_row} bytes; one token needs {c.layout.num_layers} "
-                         f"(one per layer): give the engine more memory")
+                         f"after {rows} rows of {probe.bytes_per_row} bytes{buffers}; one token needs "
+                         f"{c.layout.num_layers} (one per layer): give the engine more memory (or a shorter "
+                         "max_model_len)")
     return pages

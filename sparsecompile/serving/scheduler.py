@@ -21,6 +21,12 @@ its state is reclaimed (least recently used first) before an admission waits or 
 that resumes some of it (a chain continuation, a prefix-cache hit) starts its prefill after the resumed tokens, and
 the resumed pages move from that ledger into its reservation.
 
+Prompt buffers (methods whose prompts keep full-precision buffers outside the pool until they are compacted: the
+``<policy>+kivi`` compositions; ``MemoryOracle.prompt_buffer_bytes``): when the engine leaves room for them
+(``buffer_budget``), a prompt reserves its buffer's bytes as a second resource from admission to its last chunk, and
+a step takes prompt chunks only while its chunks times the largest buffer among them (a step's buffer is padded to
+its widest row), plus the buffers of prompts not in the step, fit that room.
+
 The prefill path comes from the method (``prefill_mode``): "chunked" methods are fed chunks of any size;
 "aligned" methods exactly ``prefill_chunk_size`` tokens per chunk (the last one shorter), as ``generate()``
 feeds them; "whole" methods the whole remaining prompt in one forward. A fixed-size chunk waits for a step
@@ -39,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..runtime.contract import PrefillMode
-from ..runtime.memory_oracle import MemoryOracle
+from ..runtime.memory_oracle import PROMPT_BUFFER, MemoryOracle
 from .outputs import RequestMetrics, RequestRejected, SamplingParams
 
 
@@ -176,7 +182,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size or max_num_batched_tokens
         self.prefill_mode = PrefillMode(prefill_mode)
         self.max_model_len = max_model_len
-        self.watermark = {name: int(total * watermark) for name, total in self.capacity.items()}
+        self.watermark = {"kv_pages": int(self.capacity["kv_pages"] * watermark)}  # room for decode growth
         self.reserved = dict.fromkeys(self.capacity, 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (prefilling or decoding), in admission order
@@ -213,8 +219,22 @@ class Scheduler:
     def _prefill_cost(self, request: Request, resume: Resume | None = None) -> dict[str, int]:
         n = len(request.prefill_ids)
         if resume is not None and resume.resident is not None:
-            return self._pages(self.oracle.resumed_peak_slots(resume.resident, n, n - resume.tokens))
-        return self._pages(self.oracle.peak_slots_per_layer(n, 0))
+            pages = self._pages(self.oracle.resumed_peak_slots(resume.resident, n, n - resume.tokens))
+        else:
+            pages = self._pages(self.oracle.peak_slots_per_layer(n, 0))
+        return {**pages, **self.oracle.prompt_cost(n)}
+
+    def _buffers_fit(self, out: SchedulerOutput, request: Request, need: int) -> bool:
+        """``request``'s chunk (its prompt buffer ``need`` bytes) may join this step's prompt chunks: the step's
+        buffer, padded to its widest row, and the buffers of prompts not in the step fit the room left for them."""
+        room = self.capacity.get(PROMPT_BUFFER, 0)
+        if not room:
+            return True
+        step = [c.request for c in out.prefill]
+        widest = max([need] + [r.reserved.get(PROMPT_BUFFER, 0) for r in step])
+        elsewhere = sum(r.reserved.get(PROMPT_BUFFER, 0) for r in self.running
+                        if r.status is RequestStatus.PREFILLING and r is not request and r not in step)
+        return (len(step) + 1) * widest + elsewhere <= room
 
     def _fits_after_reclaim(self, cost: dict[str, int], protect: Resume | None, watermark: bool) -> bool:
         """``cost`` fits what is free (less the watermark), after reclaiming idle state if it must."""
@@ -324,7 +344,8 @@ class Scheduler:
             budget = min(budget, self.max_prefill_tokens_while_decoding)  # inter-token gap: bound its prompt work
         # 2. continue admitted prompts, then admit new ones (arrival order; the head of the queue blocks)
         for r in self.running:
-            if r.status is RequestStatus.PREFILLING and budget > 0:
+            if (r.status is RequestStatus.PREFILLING and budget > 0
+                    and self._buffers_fit(out, r, r.reserved.get(PROMPT_BUFFER, 0))):
                 budget -= self._add_chunk(out, r, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
@@ -337,7 +358,8 @@ class Scheduler:
             cost = self._prefill_cost(r, resume)
             brought = resume.idle_pages if resume is not None else 0
             net = {k: v - (brought if k == "kv_pages" else 0) for k, v in cost.items()}
-            if not self._fits_after_reclaim(net, resume, watermark=bool(self.running)):
+            if (not self._fits_after_reclaim(net, resume, watermark=bool(self.running))
+                    or not self._buffers_fit(out, r, cost.get(PROMPT_BUFFER, 0))):
                 break
             self.waiting.popleft()
             r.num_prefilled = r.num_computed = 0
