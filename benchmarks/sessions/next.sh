@@ -47,7 +47,8 @@
 # Then kivi_h2o_batched (h2o+kivi 187.3 vs h2o 182.4 tok/s after the eviction was batched over layers; register
 # caps 96 / 80 / 64: within noise or slower). Next: test_export_cuda alone; #18 on the two-GPU kind; for #20 the
 # kernel needs operand layouts plain Triton does not expose (Gluon's explicit layouts, or codes stored for the
-# non-transposed value MMA), and the compositions' full-precision prompt buffers are not counted by admission.
+# non-transposed value MMA). The compositions' full-precision prompt buffers are now counted (a second scheduler
+# resource; test_mixed_cuda 8 passed after it); a 128K snapkv+kivi prompt through LLM on the H200 is not run yet.
 # 2026-12-04 eleventh session: ops_b (27 GPU tests passed: first_argmax, sampling, streamingllm+kivi / kvzip+kivi
 # CUDA graphs vs eager, selection; argmax 15.5 vs 28.8 us; radix at Quest's 32 x 8,208 rows 41.7 us vs bisect 18.0:
 # RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv

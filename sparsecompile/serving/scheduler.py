@@ -279,7 +279,8 @@ class Scheduler:
         """
         request.prefill_ids = list(request.prompt_ids)
         request.num_prefilled, request.num_decoded = len(request.prefill_ids), 0
-        peak = self._prefill_cost(request)
+        # pages only: a fork keeps no prompt buffer (re-prefilled later, it reserves one when it is admitted again)
+        peak = self._pages(self.oracle.peak_slots_per_layer(len(request.prefill_ids), 0))
         resident = self._pages(self._held(request))
         need = {k: max(peak.get(k, 0), resident.get(k, 0)) for k in set(peak) | set(resident)}
         if len(self.running) < self.max_num_seqs and self.oracle.fits(need, self.free()):
