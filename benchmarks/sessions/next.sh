@@ -46,9 +46,9 @@
 # group eviction and per-step eager ops), ncu warp state of the KIVI kernel, test_mixed_cuda (8 passed).
 # Then kivi_h2o_batched (h2o+kivi 187.3 vs h2o 182.4 tok/s after the eviction was batched over layers; register
 # caps 96 / 80 / 64: within noise or slower). Next: test_export_cuda alone; #18 on the two-GPU kind; for #20 the
-# kernel needs operand layouts plain Triton does not expose (Gluon's explicit layouts, or codes stored for the
-# non-transposed value MMA). The compositions' full-precision prompt buffers are now counted (a second scheduler
-# resource; test_mixed_cuda 8 passed after it); a 128K snapkv+kivi prompt through LLM on the H200 is not run yet.
+# kernel needs operand layouts plain Triton does not expose: first GPU call kivi_gluon (the Gluon probe written
+# offline). The compositions' full-precision prompt buffers are now counted (a second scheduler resource;
+# test_mixed_cuda 8 passed after it); a 128K snapkv+kivi prompt through LLM on the H200 is not run yet.
 # 2026-12-04 eleventh session: ops_b (27 GPU tests passed: first_argmax, sampling, streamingllm+kivi / kvzip+kivi
 # CUDA graphs vs eager, selection; argmax 15.5 vs 28.8 us; radix at Quest's 32 x 8,208 rows 41.7 us vs bisect 18.0:
 # RADIX_FROM stays None), user_points 131072x1 vanilla,quest,omnikv (0.992 / 0.988 / 0.991), 131072x4 pyramidkv
@@ -580,6 +580,10 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_gluon)  # #20: the Gluon KIVI decode probe (sessions/kivi_gluon_decode.py: codes straight into the MMA operand
+  # registers, no shared-memory staging): max error against an fp32 reference, time against the package kernel (~2 min)
+  timeout 200 python3 benchmarks/sessions/kivi_gluon_decode.py > "$OUT/kivi_gluon_h200.jsonl" 2> "$OUT/kivi_gluon.err"
+  echo "rc=$?"; cat "$OUT/kivi_gluon_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon.err" | tail -12 ;;
 kivi_h2o_batched)  # #20: h2o+kivi after its group eviction was batched over layers: its CUDA-graph GPU test,
   # generate() against h2o at 32K x 1; the KIVI kernel under register caps (sessions/kivi_regcap.py) (~6 min)
   timeout -s INT 150 $P tests/gpu/test_kivi_cuda.py -k "h2o" > "$OUT/gpu_tests_kivi_h2o_batched.log" 2>&1
