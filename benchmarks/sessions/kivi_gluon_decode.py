@@ -24,14 +24,19 @@ sm_90a): ``--compile-only`` prints the loop's instruction mix.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -144,28 +149,13 @@ def _asm() -> dict:
             **{f"V{i}": _code_asm(BITS, sh, torch.bfloat16, scaled=False) for i, sh in enumerate(shifts)}}
 
 
-def compile_only() -> None:
-    """sm_90a SASS of the kernel on a machine without a GPU: the loop's instruction mix."""
-    import collections
-    import os
-    import re
-    import subprocess
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    ptrs = {"Q": "*bf16", "KC": "*u8", "KS": "*bf16", "KZ": "*bf16", "VT": "*u8", "VS": "*bf16", "VZ": "*bf16",
-            "INDEX": "*i32", "OUT": "*fp32", "MAX": "*fp32", "SUM": "*fp32"}
-    sig = {**ptrs, "groups_per_split": "i32", "n_groups": "i32", "stride_ib": "i32", "stride_ih": "i32",
-           "qk_scale": "fp32", **{k: "constexpr" for k in ("KV_HEADS", "GQA", "PAGE", "NSPLIT", *_asm())}}
-    consts = {"KV_HEADS": KV_HEADS, "GQA": GQA, "PAGE": PAGE, "NSPLIT": 33, **_asm()}
-    src = GluonASTSource(_decode, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
-    path = "/tmp/kivi_gluon_decode.cubin"
-    Path(path).write_bytes(k.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+def loop_mix(cubin: bytes) -> collections.Counter:
+    """The instruction mix of a kernel's loop (from a backward branch's target to the branch) in sm_90a SASS."""
+    path = Path("/tmp/kivi_gluon.cubin")
+    path.write_bytes(cubin)
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     ins, labels = [], {}
-    for line in subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True).stdout.splitlines():
+    for line in subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True).stdout.splitlines():
         if m := re.match(r"(\.L_x_\d+):", line.strip()):
             labels[m.group(1)] = len(ins)
         elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(\S+)(.*?);", line):
@@ -173,10 +163,26 @@ def compile_only() -> None:
     for i, (op, rest) in enumerate(ins):
         target = re.search(r"(\.L_x_\d+)", rest)
         if op == "BRA" and target and labels.get(target.group(1), i) < i:
-            body = collections.Counter(o for o, _ in ins[labels[target.group(1)]:i + 1])
-            shared = sum(n for o, n in body.items() if o.startswith(("LDS", "STS", "BAR", "LDSM", "STSM")))
-            print(f"loop: {sum(body.values())} instructions a group (one warp), shared-memory ops {shared};",
-                  ", ".join(f"{o}={n}" for o, n in body.most_common(18)))
+            return collections.Counter(o for o, _ in ins[labels[target.group(1)]:i + 1])
+    return collections.Counter()
+
+
+def shared_ops(mix: collections.Counter) -> int:
+    return sum(n for o, n in mix.items() if o.startswith(("LDS", "STS", "BAR", "LDSM", "STSM")))
+
+
+def compile_only() -> None:
+    """sm_90a SASS of the kernel on a machine without a GPU: the loop's instruction mix."""
+    ptrs = {"Q": "*bf16", "KC": "*u8", "KS": "*bf16", "KZ": "*bf16", "VT": "*u8", "VS": "*bf16", "VZ": "*bf16",
+            "INDEX": "*i32", "OUT": "*fp32", "MAX": "*fp32", "SUM": "*fp32"}
+    sig = {**ptrs, "groups_per_split": "i32", "n_groups": "i32", "stride_ib": "i32", "stride_ih": "i32",
+           "qk_scale": "fp32", **{k: "constexpr" for k in ("KV_HEADS", "GQA", "PAGE", "NSPLIT", *_asm())}}
+    consts = {"KV_HEADS": KV_HEADS, "GQA": GQA, "PAGE": PAGE, "NSPLIT": 33, **_asm()}
+    src = GluonASTSource(_decode, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
+    mix = loop_mix(k.asm["cubin"])
+    print(f"loop: {sum(mix.values())} instructions a group (one warp), shared-memory ops {shared_ops(mix)};",
+          ", ".join(f"{o}={n}" for o, n in mix.most_common(18)))
 
 
 def inputs(batch: int, context: int, copies: int) -> list[dict]:

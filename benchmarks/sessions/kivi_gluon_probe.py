@@ -14,10 +14,7 @@ its layouts. This compiles, offline for sm_90a, the key side of one chunk (32 sl
 
 from __future__ import annotations
 
-import collections
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +27,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kivi_gluon_decode import loop_mix, shared_ops  # noqa: E402
+
 from sparsecompile.kernels.kivi_attention import _code_asm  # noqa: E402
 
 
@@ -67,25 +67,10 @@ def main() -> None:
     src = GluonASTSource(probe, sig, {"ASM": _code_asm(2, 0, torch.bfloat16), "KW": kw, "WARPS": warps},
                          {(i,): [["tt.divisibility", 16]] for i in range(5)})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-    cubin = Path("/tmp/kivi_gluon_probe.cubin")
-    cubin.write_bytes(k.asm["cubin"])
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    ins, labels = [], {}
-    for line in subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True).stdout.splitlines():
-        if m := re.match(r"(\.L_x_\d+):", line.strip()):
-            labels[m.group(1)] = len(ins)
-        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(\S+)(.*?);", line):
-            ins.append((m.group(1).split(".")[0], m.group(2)))
-    for i, (op, rest) in enumerate(ins):  # the loop: from a backward branch's target to the branch
-        target = re.search(r"(\.L_x_\d+)", rest)
-        if op == "BRA" and target and labels.get(target.group(1), i) < i:
-            body = ins[labels[target.group(1)]:i + 1]
-            mix = collections.Counter(o for o, _ in body)
-            print(f"k_width={kw} warps={warps}: loop of {len(body)} instructions a warp;",
-                  ", ".join(f"{o}={n}" for o, n in mix.most_common(14)))
-            shared = sum(n for o, n in mix.items() if o.startswith(("LDS", "STS", "BAR")))
-            print("shared-memory ops in the loop:", shared)
-
+    mix = loop_mix(k.asm["cubin"])
+    print(f"k_width={kw} warps={warps}: loop of {sum(mix.values())} instructions a warp;",
+          ", ".join(f"{o}={n}" for o, n in mix.most_common(14)))
+    print("shared-memory ops in the loop:", shared_ops(mix))
 
 if __name__ == "__main__":
     main()

@@ -92,7 +92,9 @@ class LLMEngine(StepForwards):
         self.device = c.layout.device
         idle_rows = max_num_seqs if config.max_idle_chains is None else config.max_idle_chains
         rows = max_num_seqs + idle_rows + 1  # the running requests, the idle chains and the decode padding row
-        c.oracle.buffer_budget = 0  # a pool of a given size leaves room for prompt buffers to the caller
+        # room for one max_model_len prompt's buffers outside the pool, which the scheduler reserves prompts against
+        # (a pool of a given size leaves that room to the caller)
+        c.oracle.buffer_budget = 0 if c.config.num_pages else c.oracle.prompt_buffer_bytes(self.max_model_len)
         num_pages = c.config.num_pages or pages_from_memory(c, kv_budget_bytes(config, self.device),
                                                             self.max_model_len, max_num_seqs, rows)
         self.row_pages = math.ceil((self.max_model_len + 1) / c.layout.page_size)  # pages a sequence may use

@@ -43,14 +43,12 @@ def kv_budget_bytes(config: ServingConfig, device: torch.device) -> int:
 
 def pages_from_memory(controller: SparseController, budget: int, max_model_len: int, max_num_seqs: int,
                       rows: int) -> int:
-    """Pages that fit ``budget`` bytes once ``rows`` rows' own bytes are paid (KIVI's residual rings) and room is left
-    for one ``max_model_len`` prompt's buffers outside the pool (the oracle's ``buffer_budget``, set here: the
-    scheduler reserves prompts' buffers against it), capped by what ``max_num_seqs`` requests of ``max_model_len``
-    tokens could use; refused when not one token fits."""
+    """Pages that fit ``budget`` bytes once ``rows`` rows' own bytes are paid (KIVI's residual rings) and the room the
+    oracle keeps for prompt buffers outside the pool (its ``buffer_budget``), capped by what ``max_num_seqs`` requests
+    of ``max_model_len`` tokens could use; refused when not one token fits."""
     c = controller
     probe = c.build_pool(1, 1, 1)  # registers the method's metadata, so its bytes count per page
     per_page = probe.bytes_per_page
-    c.oracle.buffer_budget = c.oracle.prompt_buffer_bytes(max_model_len)
     left = budget - rows * probe.bytes_per_row - c.oracle.buffer_budget
     useful = max_num_seqs * c.oracle.pages_for(c.oracle.peak_slots_per_layer(max_model_len, 0))
     pages = min(left // per_page, useful)
