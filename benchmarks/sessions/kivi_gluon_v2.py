@@ -39,7 +39,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kivi_gluon_decode import BITS, D, GQA, KV_HEADS, PAGE, combine, inputs, loop_mix, reference, shared_ops  # noqa: E402
+from kivi_gluon_decode import (  # noqa: E402
+    BITS, D, GQA, KV_HEADS, PAGE, _asm, _keys, combine, inputs, loop_mix, reference, shared_ops,
+)
 
 # bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
 _PLANES = gl.constexpr("{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $8, z, 0x4140; prmt.b32 b, $8, z, 0x4342;"
@@ -57,7 +59,9 @@ def _planes(x):
 @gluon.jit
 def _decode2(Q, KC, KS, KZ, VT, VS, VZ, INDEX, OUT, MAX, SUM, groups_per_split, n_groups, stride_ib, stride_ih,
              qk_scale, KV_HEADS: gl.constexpr, GQA: gl.constexpr, PAGE: gl.constexpr, NSPLIT: gl.constexpr,
-             LAZY: gl.constexpr):
+             LAZY: gl.constexpr, KEYS_V1: gl.constexpr = False, VALS_V1: gl.constexpr = False,
+             K0: gl.constexpr = "", K1: gl.constexpr = "", K2: gl.constexpr = "", K3: gl.constexpr = "",
+             V0: gl.constexpr = "", V1: gl.constexpr = "", V2: gl.constexpr = "", V3: gl.constexpr = ""):
     G: gl.constexpr = 32
     C: gl.constexpr = 32
     B: gl.constexpr = 32
@@ -80,9 +84,9 @@ def _decode2(Q, KC, KS, KZ, VT, VS, VZ, INDEX, OUT, MAX, SUM, groups_per_split, 
     q2 = gl.load(qp + 2 * C, mask=qok, other=0.0).to(gl.float32) * qk_scale
     q3 = gl.load(qp + 3 * C, mask=qok, other=0.0).to(gl.float32) * qk_scale
     u0 = (q0 * 1.2676506002282294e30).to(gl.bfloat16)  # 2^100
-    u1 = (q1 * 7.922816251426434e28).to(gl.bfloat16)  # 2^98
-    u2 = (q2 * 4.951760157141521e27).to(gl.bfloat16)  # 2^96
-    u3 = (q3 * 3.094850098213451e26).to(gl.bfloat16)  # 2^94
+    u1 = (q1 * 3.1691265005705735e29).to(gl.bfloat16)  # 2^98
+    u2 = (q2 * 7.922816251426434e28).to(gl.bfloat16)  # 2^96
+    u3 = (q3 * 1.9807040628566084e28).to(gl.bfloat16)  # 2^94
     z0 = (q0.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)  # 2^-33
     z1 = (q1.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
     z2 = (q2.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
@@ -110,16 +114,24 @@ def _decode2(Q, KC, KS, KZ, VT, VS, VZ, INDEX, OUT, MAX, SUM, groups_per_split, 
         gidx = (page * KV_HEADS + h) * (PAGE // G) + (grp * G % PAGE) // G
         slot0 = gl.multiple_of((page * KV_HEADS + h) * PAGE + grp * G % PAGE, G)
         kat = gl.multiple_of(gidx * D, D)
-        k0, k1, k2, k3 = _planes(gl.load(KC + (slot0 + ks_)[:, None] * B + kc_[None, :]))
+        kb = gl.load(KC + (slot0 + ks_)[:, None] * B + kc_[None, :])
         s = gl.zeros([G, R], gl.float32, layout=mma)
-        s = mma_v2(_bcast(KZ, kat, kc_, zt), z0, s)
-        s = mma_v2(_bcast(KZ, kat + C, kc_, zt), z1, s)
-        s = mma_v2(_bcast(KZ, kat + 2 * C, kc_, zt), z2, s)
-        s = mma_v2(_bcast(KZ, kat + 3 * C, kc_, zt), z3, s)
-        s = mma_v2(k0, u0 * gl.load(KS + kat + qc)[:, None], s)
-        s = mma_v2(k1, u1 * gl.load(KS + kat + C + qc)[:, None], s)
-        s = mma_v2(k2, u2 * gl.load(KS + kat + 2 * C + qc)[:, None], s)
-        s = mma_v2(k3, u3 * gl.load(KS + kat + 3 * C + qc)[:, None], s)
+        if KEYS_V1:  # diagnosis: v1's keys (dequantized in bf16 registers), logits brought to v2's 2^-33 units
+            s = mma_v2(_keys(kb, KS, KZ, kat, kc_, zt, K0), q0.to(gl.bfloat16), s)
+            s = mma_v2(_keys(kb, KS, KZ, kat + C, kc_, zt, K1), q1.to(gl.bfloat16), s)
+            s = mma_v2(_keys(kb, KS, KZ, kat + 2 * C, kc_, zt, K2), q2.to(gl.bfloat16), s)
+            s = mma_v2(_keys(kb, KS, KZ, kat + 3 * C, kc_, zt, K3), q3.to(gl.bfloat16), s)
+            s = s * 1.1641532182693481e-10
+        else:
+            k0, k1, k2, k3 = _planes(kb)
+            s = mma_v2(_bcast(KZ, kat, kc_, zt), z0, s)
+            s = mma_v2(_bcast(KZ, kat + C, kc_, zt), z1, s)
+            s = mma_v2(_bcast(KZ, kat + 2 * C, kc_, zt), z2, s)
+            s = mma_v2(_bcast(KZ, kat + 3 * C, kc_, zt), z3, s)
+            s = mma_v2(k0, u0 * gl.load(KS + kat + qc)[:, None], s)
+            s = mma_v2(k1, u1 * gl.load(KS + kat + C + qc)[:, None], s)
+            s = mma_v2(k2, u2 * gl.load(KS + kat + 2 * C + qc)[:, None], s)
+            s = mma_v2(k3, u3 * gl.load(KS + kat + 3 * C + qc)[:, None], s)
         m_new = gl.maximum(m_i, gl.max(s, axis=0) * 8589934592.0)  # logits = s * 2^33
         # p * 2^100 (the lift cancels at the end): exp2(s * 2^33 - m + 100), one fused multiply-add an element
         p = gl.exp2(s * 8589934592.0 - (m_new - LOG_UP)[None, :])
@@ -141,7 +153,14 @@ def _decode2(Q, KC, KS, KZ, VT, VS, VZ, INDEX, OUT, MAX, SUM, groups_per_split, 
         m_i = m_new
         l_t = l_t + p
         pb = gl.convert_layout(p, b_l)
-        v0, v1, v2, v3 = _planes(gl.load(VT + gidx * (B * G) + vc_[:, None] * G + vs_[None, :]))
+        vb = gl.load(VT + gidx * (B * G) + vc_[:, None] * G + vs_[None, :])
+        if VALS_V1:  # diagnosis: v1's exact codes (magic exponent, one subtraction a pair)
+            v0 = gl.inline_asm_elementwise(V0, "=r,=r,r", [vb], dtype=gl.bfloat16, is_pure=True, pack=4)
+            v1 = gl.inline_asm_elementwise(V1, "=r,=r,r", [vb], dtype=gl.bfloat16, is_pure=True, pack=4)
+            v2 = gl.inline_asm_elementwise(V2, "=r,=r,r", [vb], dtype=gl.bfloat16, is_pure=True, pack=4)
+            v3 = gl.inline_asm_elementwise(V3, "=r,=r,r", [vb], dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            v0, v1, v2, v3 = _planes(vb)
         vrow = gl.multiple_of((page * KV_HEADS + h) * (D // G) * PAGE + grp * G % PAGE, G) + ps_
         o0, w0 = _values(o0, w0, v0, pb, VS, VZ, vrow)
         o1, w1 = _values(o1, w1, v1, pb, VS, VZ, vrow + PAGE)
@@ -151,10 +170,15 @@ def _decode2(Q, KC, KS, KZ, VT, VS, VZ, INDEX, OUT, MAX, SUM, groups_per_split, 
     orow = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
     ocol = gl.arange(0, R, layout=gl.SliceLayout(0, mma))
     out = OUT + ((pid * NSPLIT + split) * R + ocol)[None, :] * D + orow[:, None]
-    gl.store(out, o0 * 8589934592.0 + _share(w0, ocol))
-    gl.store(out + C, o1 * 2147483648.0 + _share(w1, ocol))
-    gl.store(out + 2 * C, o2 * 536870912.0 + _share(w2, ocol))
-    gl.store(out + 3 * C, o3 * 134217728.0 + _share(w3, ocol))
+    if VALS_V1:
+        o0, o1, o2, o3 = (o0 * 7.888609052210118e-31, o1 * 7.888609052210118e-31, o2 * 7.888609052210118e-31,
+                          o3 * 7.888609052210118e-31)
+    else:
+        o0, o1, o2, o3 = o0 * 8589934592.0, o1 * 2147483648.0, o2 * 536870912.0, o3 * 134217728.0
+    gl.store(out, o0 + _share(w0, ocol))
+    gl.store(out + C, o1 + _share(w1, ocol))
+    gl.store(out + 2 * C, o2 + _share(w2, ocol))
+    gl.store(out + 3 * C, o3 + _share(w3, ocol))
     gl.store(MAX + (pid * NSPLIT + split) * R + ocol, m_i)
     gl.store(SUM + (pid * NSPLIT + split) * R + ocol, gl.sum(l_t, axis=0) * 7.888609052210118e-31)
 
@@ -197,8 +221,9 @@ def registers(cubin: bytes) -> int:
 
 def compile_only(lazy: bool) -> None:
     sig = {**SIG, "groups_per_split": "i32", "n_groups": "i32", "stride_ib": "i32", "stride_ih": "i32",
-           "qk_scale": "fp32", **{k: "constexpr" for k in ("KV_HEADS", "GQA", "PAGE", "NSPLIT", "LAZY")}}
-    consts = {"KV_HEADS": KV_HEADS, "GQA": GQA, "PAGE": PAGE, "NSPLIT": 33, "LAZY": lazy}
+           "qk_scale": "fp32", **{k: "constexpr" for k in ("KV_HEADS", "GQA", "PAGE", "NSPLIT", "LAZY", "KEYS_V1", "VALS_V1", *_asm())}}
+    consts = {"KV_HEADS": KV_HEADS, "GQA": GQA, "PAGE": PAGE, "NSPLIT": 33, "LAZY": lazy, "KEYS_V1": False,
+              "VALS_V1": False, **_asm()}
     src = GluonASTSource(_decode2, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(SIG))})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
     mix = loop_mix(k.asm["cubin"])
@@ -207,7 +232,7 @@ def compile_only(lazy: bool) -> None:
           ", ".join(f"{o}={n}" for o, n in mix.most_common(20)))
 
 
-def launch(t: dict, splits: int, lazy: bool):
+def launch(t: dict, splits: int, lazy: bool, keys_v1: bool = False, vals_v1: bool = False):
     batch = t["q"].shape[0]
     lists = batch * KV_HEADS
     per = -(-t["n_groups"] // splits)
@@ -217,7 +242,7 @@ def launch(t: dict, splits: int, lazy: bool):
     _decode2[(lists, splits)](t["q"], t["kc"], t["ks"], t["kz"], t["vt"], t["vs_t"], t["vz_t"], t["index"], o, m, l_,
                               per, t["n_groups"], t["index"].stride(0), t["index"].stride(1),
                               D ** -0.5 * 1.4426950408889634, KV_HEADS=KV_HEADS, GQA=GQA, PAGE=PAGE, NSPLIT=splits,
-                              LAZY=lazy, num_warps=1)
+                              LAZY=lazy, KEYS_V1=keys_v1, VALS_V1=vals_v1, **_asm(), num_warps=1)
     return o, m, l_
 
 
@@ -233,6 +258,12 @@ def main() -> None:
     from kivi_kernels import decode_bytes
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sets = inputs(1, 32768, 1)
+    ref = reference(sets[0])
+    for keys_v1, vals_v1 in ((False, False), (True, False), (False, True), (True, True)):
+        got = combine(*launch(sets[0], 256, False, keys_v1, vals_v1), 1, 256)
+        print(json.dumps({"diagnosis": True, "keys_v1": keys_v1, "vals_v1": vals_v1,
+                          "max_err": (got - ref).abs().max().item()}), flush=True)
     for batch, context in ((1, 32768), (16, 32768), (1, 131072), (4, 131072)):
         sets = inputs(batch, context, 2)
         ref = reference(sets[0]) if batch * context <= 131072 * 4 else None

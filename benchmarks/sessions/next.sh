@@ -580,6 +580,12 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_gluon3)  # #20: v2's arithmetic fed by a cp.async ring (sessions/kivi_gluon_v3.py): error against the fp32
+  # reference, 2 / 4 / 8 stages x 10 / 16 / 32 programs an SM at the four points; v2 (fixed key factors) after (~3 min)
+  timeout 250 python3 benchmarks/sessions/kivi_gluon_v3.py > "$OUT/kivi_gluon_v3_h200.jsonl" 2> "$OUT/kivi_gluon_v3.err"
+  echo "rc=$?"; cut -c1-200 "$OUT/kivi_gluon_v3_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon_v3.err" | tail -12
+  timeout 120 python3 benchmarks/sessions/kivi_gluon_v2.py > "$OUT/kivi_gluon_v2_fixed_h200.jsonl" 2> "$OUT/kivi_gluon_v2.err"
+  echo "rc=$?"; grep diagnosis "$OUT/kivi_gluon_v2_fixed_h200.jsonl" | cut -c1-200 ;;
 kivi_gluon2)  # #20: the Gluon KIVI decode with codes as subnormal floats (sessions/kivi_gluon_v2.py): error against
   # the fp32 reference at every point, eager vs lazy rescale, 12 / 16 / 24 programs an SM (~2 min)
   timeout 300 python3 benchmarks/sessions/kivi_gluon_v2.py > "$OUT/kivi_gluon_v2_h200.jsonl" 2> "$OUT/kivi_gluon_v2.err"
