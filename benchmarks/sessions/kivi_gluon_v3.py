@@ -30,6 +30,7 @@ from kivi_gluon_v2 import _bcast, _planes, _share, _values, registers  # noqa: E
 
 # Triton 3.6 names the copy async_copy_global_to_shared, 3.7+ async_load (the old name raises)
 _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.6: thread_barrier
 
 
 @gluon.jit
@@ -120,7 +121,7 @@ def _decode3(Q, KC, KS, KZ, VT, VS, VZ, INDEX, OUT, MAX, SUM, groups_per_split, 
     for grp in range(first, last):
         st = (grp - first) % STAGES
         async_copy.wait_group(STAGES - 2)  # this group's copies landed (this thread's)
-        gl.barrier()  # ... every lane's; and every lane is done with the stage refilled next
+        _barrier()  # ... every lane's; and every lane is done with the stage refilled next
         nxt = grp + STAGES - 1
         ns = (nxt - first) % STAGES
         _issue(KC, KS, KZ, VT, VS, VZ, kcs.index(ns), kss.index(ns), kzs.index(ns), vts.index(ns), vss.index(ns),
