@@ -580,6 +580,10 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_gluon4)  # #20: v3 on the pool's own layouts (sessions/kivi_gluon_v4.py: value codes / metadata transposed by
+  # shared-memory reads): error and time, 2 / 4 stages x 12 / 16 / 24 programs an SM (~1.5 min)
+  timeout 250 python3 benchmarks/sessions/kivi_gluon_v4.py > "$OUT/kivi_gluon_v4_h200.jsonl" 2> "$OUT/kivi_gluon_v4.err"
+  echo "rc=$?"; cut -c1-200 "$OUT/kivi_gluon_v4_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon_v4.err" | tail -12 ;;
 kivi_gluon3)  # #20: v2's arithmetic fed by a cp.async ring (sessions/kivi_gluon_v3.py): error against the fp32
   # reference, 2 / 4 / 8 stages x 10 / 16 / 32 programs an SM at the four points; v2 (fixed key factors) after (~3 min)
   timeout 250 python3 benchmarks/sessions/kivi_gluon_v3.py > "$OUT/kivi_gluon_v3_h200.jsonl" 2> "$OUT/kivi_gluon_v3.err"
