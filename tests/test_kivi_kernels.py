@@ -85,13 +85,7 @@ PAGE, GROUP, DIM, HEADS, RING = 32, 16, 64, 2, 48
 
 
 def make_pages(num_pages=10, bits=2, dtype=torch.float16):
-    words = DIM * bits // 32
-    return (torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32),
-            torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32),
-            torch.zeros(num_pages, HEADS, PAGE // GROUP, DIM, dtype=dtype),
-            torch.zeros(num_pages, HEADS, PAGE // GROUP, DIM, dtype=dtype),
-            torch.zeros(num_pages, HEADS, PAGE, DIM // GROUP, dtype=dtype),
-            torch.zeros(num_pages, HEADS, PAGE, DIM // GROUP, dtype=dtype))
+    return kq.empty_pages(num_pages, HEADS, PAGE, DIM, bits, GROUP, dtype)
 
 
 def stored(seed=7):
@@ -113,11 +107,14 @@ def test_quantize_reference_stores_the_formulas(bits):
     assert torch.equal(kq.unpack_codes(kcode[2, :, GROUP:2 * GROUP], bits), codes)
     assert torch.equal(kscale[2, :, 1], scale) and torch.equal(kzero[2, :, 1], zero)
     vcodes, vs, vz = kq.quantize_values(value[2], bits, torch.float16, GROUP)
-    assert torch.equal(kq.unpack_codes(vcode[4, :, :GROUP], bits), vcodes)
-    assert torch.equal(vscale[4, :, :GROUP], vs) and torch.equal(vzero[4, :, :GROUP], vz)
+    assert torch.equal(kq.unpack_value_groups(vcode[4], bits)[:, :GROUP], vcodes)  # byte-major groups
+    assert torch.equal(vcode[4, :, 0].view(torch.uint8), kq.pack_codes(vcodes, bits).view(torch.uint8).mT)
+    vs_, vz_ = kq.slot_major(vscale), kq.slot_major(vzero)
+    assert torch.equal(vs_[4, :, :GROUP], vs) and torch.equal(vz_[4, :, :GROUP], vz)
     written = torch.zeros(kcode.shape[:3], dtype=torch.bool)
     written[2, :, GROUP:2 * GROUP] = written[4, :, :GROUP] = True
-    assert not kcode[~written].any() and not vscale[~written].any()  # nothing else written
+    assert not kcode[~written].any() and not vs_[~written].any()  # nothing else written
+    assert not vcode[~written[:, :, ::GROUP]].any()
     k, v = kq.kivi_dequantize_reference(*pages, torch.tensor([2, 4]), torch.float32)
     assert torch.equal(k[0, :, GROUP:2 * GROUP], kq.dequantize_keys(codes, scale, zero))
     assert torch.equal(v[1, :, :GROUP], kq.dequantize_values(vcodes, vs, vz))

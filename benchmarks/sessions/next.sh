@@ -580,6 +580,12 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_pkg)  # #20: the package's Gluon KIVI decode (kernels/kivi_gluon.py, byte-major value groups): the KIVI GPU tests,
+  # then kernel_bench's kivi rows (default = Gluon at 2 bits with bf16 scales, "triton" = the Triton kernel) (~6 min)
+  timeout -s INT 330 $P tests/gpu/test_kivi_cuda.py -x > "$OUT/gpu_tests_kivi_pkg.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_pkg.log" | tail -6
+  timeout -s INT 200 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_pkg.log" 2>&1
+  echo "rc=$?"; grep "2-bit\"\|4-bit\"" "$OUT/kernels_kivi_pkg.log" | cut -c1-220 | head -20 ;;
 kivi_gluon4)  # #20: v3 on the pool's own layouts (sessions/kivi_gluon_v4.py: value codes / metadata transposed by
   # shared-memory reads): error and time, 2 / 4 stages x 12 / 16 / 24 programs an SM (~1.5 min)
   timeout 250 python3 benchmarks/sessions/kivi_gluon_v4.py > "$OUT/kivi_gluon_v4_h200.jsonl" 2> "$OUT/kivi_gluon_v4.err"

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from .kivi_gluon import KIVI_GLUON_CONFIG, gluon_supported, kivi_gluon_quantized
 from .kivi_quant import storage_bits, triton_supported
 from .kivi_reference import (
     check_one_query,
@@ -155,7 +156,7 @@ if triton is not None:
                             BLOCK_F: tl.constexpr, C: tl.constexpr, NUM_SPLITS: tl.constexpr, DT: tl.constexpr,
                             ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
                             VSM0: tl.constexpr, VSM1: tl.constexpr, VSM2: tl.constexpr, VSM3: tl.constexpr,
-                            WRITE_LOGITS: tl.constexpr):
+                            WRITE_LOGITS: tl.constexpr, RESIDUAL_ONLY: tl.constexpr = False):
         """One program: every query row of one (sequence, kv_head) over one split of its slots, computed transposed
         so the stored codes are the MMAs' first operand: ``s^T [slots, rows] = sum_i K_i [slots, C] . q_i^T`` and
         ``o_i^T [C, rows] += V_i^T [C, slots] . p^T`` per channel chunk ``i``. The compiler then moves the packed
@@ -167,7 +168,9 @@ if triton is not None:
         codes exact floats (``VSM_i``) and the zeros' share of every group one small MMA a tile (``zacc``), added to
         the group's channels after the loops. ``WRITE_LOGITS`` (one query per sequence): every visible slot's
         scaled logit (natural units, -inf where masked) goes to ``LOGITS [batch, q_heads, logits_span]`` and, with
-        one split, each row's log-sum-exp to ``LSE`` (with several, the combine kernel writes it)."""
+        one split, each row's log-sum-exp to ``LSE`` (with several, the combine kernel writes it). ``RESIDUAL_ONLY``
+        (one program a list): the residual ring's slots only, into the last of ``NUM_SPLITS`` splits (the others
+        the Gluon kernel's, ``kivi_gluon.py``)."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // KV_HEADS
@@ -195,6 +198,10 @@ if triton is not None:
         per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), G) * G  # group-aligned: a tile never crosses a page
         lo = split * per_split
         hi = tl.minimum(length, lo + per_split)
+        if RESIDUAL_ONLY:
+            lo = quant
+            hi = length
+            split = NUM_SPLITS - 1
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_q = tl.zeros([G, BLOCK_M], tl.float32)  # row sums, elementwise (_online): quantized tiles
         l_f = tl.zeros([BLOCK_F, BLOCK_M], tl.float32)  # and residual tiles
@@ -228,20 +235,22 @@ if triton is not None:
                 tl.store(LOGITS + (b * (KV_HEADS * GROUP) + qh)[None, :] * logits_span + (start + tok)[:, None],
                          s * 0.6931471805599453, mask=row_ok[None, :])
             m_i, alpha, p, l_q = _online(s, m_i, l_q)
-            vb0 = tl.load(VC + slot[None, :] * B + c[:, None])  # [C, G] bytes
+            vgrp = VC + (grp // D) * (B * G)  # the group's byte-major value codes [B, G]
+            vb0 = tl.load(vgrp + c[:, None] * G + tok[None, :])  # [C, G] bytes
             vb1 = vb0
             if B > C:
-                vb1 = tl.load(VC + slot[None, :] * B + C + c[:, None])
-            vs = VS + slot * VG  # a slot's scale of chunk i: [slot * VG + i * C // G]
+                vb1 = tl.load(vgrp + (C + c[:, None]) * G + tok[None, :])
+            meta = (page * KV_HEADS + h) * (VG * PAGE) + start % PAGE  # VS / VZ [pages, heads, VG, P]
+            vs = VS + meta + tok  # a slot's scale of chunk i: [meta + (i * C // G) * PAGE + slot]
             a0 = _mma(_codes(vb0, 0, BITS, VSM0, DT), _scaled(p, vs, DT), a0 * alpha[None, :], DT)
-            a1 = _mma(_codes(vb1, (C // B) * BITS, BITS, VSM1, DT), _scaled(p, vs + C // G, DT), a1 * alpha[None, :],
-                      DT)
+            a1 = _mma(_codes(vb1, (C // B) * BITS, BITS, VSM1, DT), _scaled(p, vs + (C // G) * PAGE, DT),
+                      a1 * alpha[None, :], DT)
             if NCH == 4:
-                a2 = _mma(_codes(vb0, (2 * C // B) * BITS, BITS, VSM2, DT), _scaled(p, vs + 2 * C // G, DT),
+                a2 = _mma(_codes(vb0, (2 * C // B) * BITS, BITS, VSM2, DT), _scaled(p, vs + (2 * C // G) * PAGE, DT),
                           a2 * alpha[None, :], DT)
-                a3 = _mma(_codes(vb1, (3 * C // B) * BITS, BITS, VSM3, DT), _scaled(p, vs + 3 * C // G, DT),
+                a3 = _mma(_codes(vb1, (3 * C // B) * BITS, BITS, VSM3, DT), _scaled(p, vs + (3 * C // G) * PAGE, DT),
                           a3 * alpha[None, :], DT)
-            zt = tl.load(VZ + slot[None, :] * VG + zg[:, None], mask=zg[:, None] < VG, other=0.0)  # [32, G]
+            zt = tl.load(VZ + meta + zg[:, None] * PAGE + tok[None, :], mask=zg[:, None] < VG, other=0.0)  # [32, G]
             zacc = _mma(zt.to(DT), p.to(DT), zacc * alpha[None, :], DT)
         ring = RK + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
         vring = RV + tl.load(RROWS + b).to(tl.int64) * stride_rr + h * stride_rh
@@ -354,6 +363,10 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
                                                ring_v, ring_rows, index, lengths, quantized, q_positions, scale,
                                                sliding_window, span=index.shape[2] * page_size)
     query, index, q_positions = launch_inputs(query, index, q_positions)
+    if not with_logits and num_splits is None and config is None and \
+            gluon_supported(query, bits, group_size, dim, page_size, queries * group, kscale.dtype):
+        return _gluon_and_residual(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
+                                   ring_rows, index, lengths, quantized, q_positions, scale, sliding_window)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
     block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
@@ -392,6 +405,43 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_logits,
         )
     return (out, lse, logits) if with_logits else out
+
+
+def _gluon_and_residual(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
+                        index, lengths, quantized, q_positions, scale, sliding_window) -> torch.Tensor:
+    """The quantized slots by the Gluon kernel (``kivi_gluon.py``, splits filling a wave of one-warp programs), the
+    residual ring by this module's kernel (``RESIDUAL_ONLY``, the last split), merged by the combine kernel."""
+    batch, q_heads, queries, dim = query.shape
+    heads, page_size = kcode.shape[1], kcode.shape[2]
+    group_size = page_size // kscale.shape[2]
+    qsplits = wave_splits(batch * heads, index.shape[2] * page_size, 4 * group_size,
+                          KIVI_GLUON_CONFIG["programs_per_sm"], query.device)
+    splits = qsplits + 1
+    out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
+    mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
+    mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
+    quantized = quantized.contiguous()
+    kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
+                         scale, sliding_window, mid_o, mid_lse, qsplits)
+    cfg = KIVI_DECODE_CONFIG
+    _kivi_decode_kernel[(batch * heads, 1)](
+        query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
+        ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse, out, out,
+        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
+        lengths.stride(0), lengths.stride(1), q_positions.stride(0),
+        ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        float(scale), int(sliding_window), queries, 0,
+        KV_HEADS=heads, GROUP=q_heads // heads, PAGE=page_size, G=group_size, D=dim, BITS=2, RING=ring_k.shape[2],
+        BLOCK_M=8, BLOCK_F=cfg["block_f"], C=32, NUM_SPLITS=splits, DT=tl.bfloat16,
+        ASM0="", ASM1="", ASM2="", ASM3="", VSM0="", VSM1="", VSM2="", VSM3="",
+        WRITE_LOGITS=False, RESIDUAL_ONLY=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    _combine_kernel[(batch * q_heads * queries,)](
+        mid_o, mid_lse, out, out, out.stride(0), out.stride(1), out.stride(2), queries,
+        Q_HEADS=q_heads, HEAD_DIM=dim, BLOCK_D=dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        WRITE_LSE=False,
+    )
+    return out
 
 
 def _fake(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,

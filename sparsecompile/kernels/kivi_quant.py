@@ -11,15 +11,18 @@ zero (code 0 when the scale is 0); dequantized ``x' = code * scale + zero`` in f
 * values **per token** over groups of ``group_size`` consecutive channels (one scale and zero per (token, group)).
 
 Page layout (every tensor indexed by page first, like the dense pool, so page sharing and copy-on-write treat them
-alike; ``P`` slots per page, a multiple of ``G = group_size``, so key groups never straddle pages):
+alike; ``P`` slots per page, a multiple of ``G = group_size``, so groups never straddle pages). A slot's ``D`` codes
+take ``B = D * bits / 8`` bytes, channel ``c`` in byte ``c % B`` at bit ``(c // B) * bits``: the codes at one bit
+offset of every byte are ``B`` consecutive channels (a decode kernel's channel chunk, never crossing a value group).
 
-* ``kcode, vcode [num_pages, kv_heads, P, W]`` int32: each slot's ``D`` codes in ``B = D * bits / 8`` bytes
-  (``W = B / 4`` little-endian words), channel ``c`` in byte ``c % B`` at bit ``(c // B) * bits``: the codes at one
-  bit offset of every byte are ``B`` consecutive channels, so the decode kernel turns four codes of a 32-bit
-  register into four floats of one channel chunk with a shift, a mask and two byte permutes, and a chunk never
-  crosses a value group;
+* ``kcode [num_pages, kv_heads, P, W]`` int32: each slot's bytes as ``W = B / 4`` little-endian words (keys are
+  the MMA operand whose contraction runs over channels: a slot's bytes together);
+* ``vcode [num_pages, kv_heads, P / G, B, G / 4]`` int32: per group of ``G`` slots, **byte-major**: byte ``j`` of
+  the group's slots ``0 .. G-1`` together (``uint8`` view ``[.., B, G]``), because the values' MMA contracts over
+  slots and takes each thread's consecutive slots in one load (:func:`pack_value_groups`);
 * ``kscale, kzero [num_pages, kv_heads, P / G, D]``: one per key group and channel;
-* ``vscale, vzero [num_pages, kv_heads, P, D / G]``: one per slot and channel group.
+* ``vscale, vzero [num_pages, kv_heads, D / G, P]``: one per slot and channel group, a page's slots together per
+  channel group (:func:`slot_major` gives the ``[.., P, D / G]`` view).
 
 The rounding is half up (``floor(y + 1/2)``), the same in the torch reference and the Triton kernel.
 """
@@ -94,6 +97,43 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
     return ((b.unsqueeze(-2) >> shifts) & levels(bits)).flatten(-2)
 
 
+def page_shapes(num_pages: int, heads: int, page: int, dim: int, bits: int,
+                group: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of ``kcode, vcode, kscale, kzero, vscale, vzero`` (module docstring; codes int32, the rest in the scale
+    dtype)."""
+    nbytes = dim * bits // 8
+    return ((num_pages, heads, page, nbytes // 4), (num_pages, heads, page // group, nbytes, group // 4),
+            (num_pages, heads, page // group, dim), (num_pages, heads, page // group, dim),
+            (num_pages, heads, dim // group, page), (num_pages, heads, dim // group, page))
+
+
+def empty_pages(num_pages: int, heads: int, page: int, dim: int, bits: int, group: int, scale_dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Zeroed page tensors (:func:`page_shapes`)."""
+    shapes = page_shapes(num_pages, heads, page, dim, bits, group)
+    return tuple(torch.zeros(sh, dtype=torch.int32 if i < 2 else scale_dtype, device=device)
+                 for i, sh in enumerate(shapes))
+
+
+def pack_value_groups(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Value codes of whole groups ``[..., G, D]`` -> the byte-major words of ``vcode`` ``[..., B, G / 4]``."""
+    if codes.numel() == 0:  # (no dtype view of an empty tensor's strides)
+        return codes.new_zeros((*codes.shape[:-2], codes.shape[-1] * bits // 8, codes.shape[-2] // 4))
+    return pack_codes(codes, bits).view(torch.uint8).transpose(-1, -2).contiguous().view(torch.int32)
+
+
+def unpack_value_groups(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_value_groups` over pages: ``vcode`` words ``[..., P / G, B, G / 4]`` -> codes
+    ``[..., P, D]`` in slot order."""
+    b = words.contiguous().view(torch.uint8).transpose(-1, -2)  # [..., P / G, G, B]
+    return unpack_codes(b.flatten(-3, -2).contiguous().view(torch.int32), bits)
+
+
+def slot_major(meta: torch.Tensor) -> torch.Tensor:
+    """``vscale`` / ``vzero`` ``[.., D / G, P]`` as the ``[.., P, D / G]`` view (reads and writes go to the pool)."""
+    return meta.transpose(-1, -2)
+
+
 def storage_bits(kcode: torch.Tensor, head_dim: int) -> int:
     return kcode.shape[-1] * 32 // head_dim
 
@@ -123,9 +163,9 @@ def kivi_quantize_reference(kcode: torch.Tensor, vcode: torch.Tensor, kscale: to
     slots = off[:, None] + torch.arange(group, device=dst.device)  # [n, G]
     rows = page[:, None].expand_as(slots)
     kcode[rows, :, slots] = pack_codes(kc, bits).transpose(1, 2)  # [n, G, H, W]
-    vcode[rows, :, slots] = pack_codes(vc, bits).transpose(1, 2)
-    vscale[rows, :, slots] = vs.transpose(1, 2)
-    vzero[rows, :, slots] = vz.transpose(1, 2)
+    vcode[page, :, off // group] = pack_value_groups(vc, bits)  # [n, H, B, G / 4]
+    slot_major(vscale)[rows, :, slots] = vs.transpose(1, 2)
+    slot_major(vzero)[rows, :, slots] = vz.transpose(1, 2)
     kscale[page, :, off // group] = ks
     kzero[page, :, off // group] = kz
 
@@ -156,6 +196,15 @@ if triton is not None:
         return tl.sum(tl.sum(c << shifts, axis=3), axis=1)
 
     @triton.jit
+    def _pack_bytes(codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """``[ROWS, D]`` codes -> ``[ROWS, B]`` bytes (as int32): channel ``k * B + j`` at bit ``k * BITS`` of byte
+        ``j``."""
+        PER_BYTE: tl.constexpr = 8 // BITS
+        B: tl.constexpr = D * BITS // 8
+        c = tl.reshape(codes, (ROWS, PER_BYTE, B))
+        return tl.sum(c << (tl.arange(0, PER_BYTE) * BITS)[None, :, None], axis=1)
+
+    @triton.jit
     def _quantize_kernel(KC, VC, KS, KZ, VS, VZ, K, V, DST, stride_km, stride_kh, stride_kt, stride_vm, stride_vh,
                          stride_vt, KV_HEADS: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BITS: tl.constexpr, SCALE_TY: tl.constexpr):
@@ -184,10 +233,14 @@ if triton is not None:
             v3 = tl.reshape(v, (G, D // G, G))
             vq, vs, vz = _round_codes(v3, tl.min(v3, axis=2)[:, :, None], tl.max(v3, axis=2)[:, :, None], LEVELS,
                                       SCALE_TY)
-            tl.store(VC + slot[:, None] * W + w[None, :], _pack(tl.reshape(vq, (G, D)), G, D, BITS))
-            gi = tl.arange(0, D // G)
-            tl.store(VS + slot[:, None] * (D // G) + gi[None, :], tl.reshape(vs, (G, D // G)))
-            tl.store(VZ + slot[:, None] * (D // G) + gi[None, :], tl.reshape(vz, (G, D // G)))
+            B: tl.constexpr = D * BITS // 8
+            j = tl.arange(0, B)  # VC: bytes, the group's block [B, G] byte-major
+            tl.store(VC + grp * (B * G) + j[None, :] * G + t[:, None],
+                     _pack_bytes(tl.reshape(vq, (G, D)), G, D, BITS).to(tl.uint8))
+            gi = tl.arange(0, D // G)  # VS / VZ [pages, heads, D / G, P]
+            meta = ((page * KV_HEADS + h) * (D // G) + gi[None, :]) * PAGE + off + t[:, None]
+            tl.store(VS + meta, tl.reshape(vs, (G, D // G)))
+            tl.store(VZ + meta, tl.reshape(vz, (G, D // G)))
 
 
 def _scale_type(dtype: torch.dtype):
@@ -211,7 +264,7 @@ def kivi_quantize_triton(kcode, vcode, kscale, kzero, vscale, vzero, key, value,
     if value.stride(3) != 1:
         value = value.contiguous()
     _quantize_kernel[(m, heads)](
-        kcode, vcode, kscale, kzero, vscale, vzero, key, value, dst.contiguous(),
+        kcode, vcode.view(torch.uint8), kscale, kzero, vscale, vzero, key, value, dst.contiguous(),
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         KV_HEADS=heads, PAGE=kcode.shape[2], G=group, D=dim, BITS=storage_bits(kcode, dim),
         SCALE_TY=_scale_type(kscale.dtype), num_warps=4,
@@ -245,9 +298,9 @@ def kivi_dequantize_reference(kcode: torch.Tensor, vcode: torch.Tensor, kscale: 
     group = kcode.shape[2] // kscale.shape[2]
     p = pages.long()
     kc = unpack_codes(kcode[p], bits)  # [*S, H, P, D]
-    vc = unpack_codes(vcode[p], bits)
+    vc = unpack_value_groups(vcode[p], bits)
     k = dequantize_keys(kc.unflatten(-2, (kscale.shape[2], group)), kscale[p], kzero[p]).flatten(-3, -2)
-    v = dequantize_values(vc, vscale[p], vzero[p])
+    v = dequantize_values(vc, slot_major(vscale)[p], slot_major(vzero)[p])
     return k.to(dtype), v.to(dtype)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .kivi_quant import dequantize_keys, dequantize_values, storage_bits, unpack_codes
+from .kivi_quant import dequantize_keys, dequantize_values, slot_major, storage_bits, unpack_codes, unpack_value_groups
 from .pool import visibility
 
 
@@ -25,7 +25,8 @@ def kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, r
     kc = unpack_codes(kcode[pages, head], bits)  # [B, H, n, P, D]
     k = dequantize_keys(kc.unflatten(-2, (page_size // group, group)), kscale[pages, head], kzero[pages, head])
     k = k.flatten(-3, -2).flatten(2, 3)[:, :, :span]  # [B, H, span, D]
-    v = dequantize_values(unpack_codes(vcode[pages, head], bits), vscale[pages, head], vzero[pages, head])
+    v = dequantize_values(unpack_value_groups(vcode[pages, head], bits), slot_major(vscale)[pages, head],
+                          slot_major(vzero)[pages, head])
     v = v.flatten(2, 3)[:, :, :span]
     pos = pos_pool[pages, head].flatten(2, 3)[:, :, :span].long()
     j = torch.arange(span, device=index.device)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..kernels.kivi_attention import kivi_decode_attention, kivi_decode_attention_logits
-from ..kernels.kivi_quant import kivi_dequantize, kivi_quantize
+from ..kernels.kivi_quant import empty_pages, kivi_dequantize, kivi_quantize, slot_major
 from .compilation import page_indexed, static_address
 from .host import to_device
 from .kivi_spec import KiviSpec
@@ -103,17 +103,10 @@ class KiviStorage:
     def allocate(self, num_pages: int, max_seqs: int) -> None:
         lay, s = self.manager.layout, self.spec
         H, P, D, G = lay.num_kv_heads, lay.page_size, lay.head_dim, s.group_size
-        dev, words = lay.device, D * s.bits // 32
-
-        def make(*shape, dtype):
-            return page_indexed(torch.zeros(*shape, dtype=dtype, device=dev))
-
-        self.kcode = make(num_pages + 1, H, P, words, dtype=torch.int32)
-        self.vcode = make(num_pages + 1, H, P, words, dtype=torch.int32)
-        self.kscale = make(num_pages + 1, H, P // G, D, dtype=s.scale_dtype)
-        self.kzero = make(num_pages + 1, H, P // G, D, dtype=s.scale_dtype)
-        self.vscale = make(num_pages + 1, H, P, D // G, dtype=s.scale_dtype)
-        self.vzero = make(num_pages + 1, H, P, D // G, dtype=s.scale_dtype)
+        dev = lay.device
+        pages = empty_pages(num_pages + 1, H, P, D, s.bits, G, s.scale_dtype, dev)
+        (self.kcode, self.vcode, self.kscale, self.kzero, self.vscale,
+         self.vzero) = (page_indexed(t) for t in pages)
         rows = max_seqs * lay.num_layers + 1  # + one trash row that absorbs padding writes
         self.ring_k = torch.zeros(rows, H, s.ring, D, dtype=lay.dtype, device=dev)
         self.ring_v = torch.zeros(rows, H, s.ring, D, dtype=lay.dtype, device=dev)
@@ -215,8 +208,8 @@ class KiviStorage:
         s, d = src.clamp(min=0), torch.where(dst >= 0, dst, trash)
         tok = torch.arange(G, device=src.device)
         per_slot = [(t, (x // P)[..., None], head[..., None], (x % P)[..., None] + tok)
-                    for t in (self.kcode, self.vcode, self.vscale, self.vzero) for x in (s, d)]
-        per_group = [(t, x // P, head, x % P // G) for t in (self.kscale, self.kzero) for x in (s, d)]
+                    for t in (self.kcode, slot_major(self.vscale), slot_major(self.vzero)) for x in (s, d)]
+        per_group = [(t, x // P, head, x % P // G) for t in (self.kscale, self.kzero, self.vcode) for x in (s, d)]
         places = per_slot + per_group
         values = [t[p, h, o] for t, p, h, o in places[::2]]
         for (t, p, h, o), v in zip(places[1::2], values):

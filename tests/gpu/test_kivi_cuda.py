@@ -23,13 +23,9 @@ HEADS, GROUP_Q, DIM, PAGE = 8, 4, 128, 32
 
 
 def _pages(num_pages, bits, scale_dtype, g):
-    words = DIM * bits // 32
-    return (torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32, device="cuda"),
-            torch.zeros(num_pages, HEADS, PAGE, words, dtype=torch.int32, device="cuda"),
-            torch.zeros(num_pages, HEADS, PAGE // 32, DIM, dtype=scale_dtype, device="cuda"),
-            torch.zeros(num_pages, HEADS, PAGE // 32, DIM, dtype=scale_dtype, device="cuda"),
-            torch.zeros(num_pages, HEADS, PAGE, DIM // 32, dtype=scale_dtype, device="cuda"),
-            torch.zeros(num_pages, HEADS, PAGE, DIM // 32, dtype=scale_dtype, device="cuda"))
+    from sparsecompile.kernels.kivi_quant import empty_pages
+
+    return empty_pages(num_pages, HEADS, PAGE, DIM, bits, 32, scale_dtype, "cuda")
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -52,8 +48,13 @@ def test_quantize_triton_equals_reference(bits, scale_dtype):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
-def test_decode_attention_triton_vs_reference(bits, context, batch):
+@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
+def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
+    """bf16 scales at 2 bits: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
+    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
+    the first page are skipped."""
     from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_gluon import gluon_supported
     from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
     from sparsecompile.kernels.kivi_reference import (
         kivi_decode_attention_logits_reference,
@@ -63,7 +64,7 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
     g = torch.Generator(device="cuda").manual_seed(context + bits)
     per_seq = -(-context // PAGE)
     num_pages = batch * per_seq + 1
-    pages = _pages(num_pages, bits, torch.float16, g)
+    pages = _pages(num_pages, bits, scale_dtype, g)
     quant = (context - 128) // 32 * 32
     table = torch.randperm(num_pages - 1, device="cuda", generator=g).view(batch, per_seq).to(torch.int32)
     index = table[:, None, :].expand(batch, HEADS, -1).contiguous()
@@ -76,6 +77,7 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
     j = torch.arange(context, device="cuda")
     for b in range(batch):
         pos[table[b, j // PAGE].long(), :, j % PAGE] = j.to(torch.int32)[:, None]
+        pos[table[b, 0].long(), :, 3:7] = -1  # holes
     ring = 160
     ring_k = torch.randn(batch + 1, HEADS, ring, DIM, device="cuda", generator=g).bfloat16()
     ring_v = torch.randn(batch + 1, HEADS, ring, DIM, device="cuda", generator=g).bfloat16()
@@ -83,13 +85,16 @@ def test_decode_attention_triton_vs_reference(bits, context, batch):
     lengths = torch.full((batch, HEADS), context, device="cuda", dtype=torch.int32)
     args = (query, *pages, pos, ring_k, ring_v, torch.arange(batch, device="cuda"), index, lengths,
             torch.full((batch,), quant, device="cuda"), torch.full((batch, 1), context, device="cuda"),
-            DIM ** -0.5, 0)
+            DIM ** -0.5, window)
     want = kivi_decode_attention_reference(*args)
+    gluon = gluon_supported(query, bits, 32, DIM, PAGE, GROUP_Q, scale_dtype)
+    assert gluon == (bits == 2 and scale_dtype == torch.bfloat16 and torch.cuda.get_device_capability() == (9, 0))
     for splits, config in ((None, None), (1, None), (None, {"num_warps": 2, "num_stages": 2})):
         got = kivi_decode_attention_triton(*args, num_splits=splits, config=config)
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
-    fp16 = kivi_decode_attention_triton(query.half(), *args[1:])  # the fp16 form of the in-register dequantization
-    torch.testing.assert_close(fp16.float(), want.float(), atol=3e-2, rtol=3e-2)
+    if scale_dtype == torch.float16:  # the fp16 form of the in-register dequantization
+        fp16 = kivi_decode_attention_triton(query.half(), *args[1:])
+        torch.testing.assert_close(fp16.float(), want.float(), atol=3e-2, rtol=3e-2)
     # h2o+kivi's form: the logits of every slot and the log-sum-exp beside the output (split and one-split launches);
     # logits of unit-scale dots in bf16 operands: 5e-2, the probabilities that H2O adds up: 1e-3 absolute
     _, lse_ref, logits_ref = kivi_decode_attention_logits_reference(*args)

@@ -1,0 +1,267 @@
+"""The quantized part of KIVI decode attention in Gluon (Triton's explicit-layout dialect), CUDA sm_90, 2 bits.
+
+Why not plain Triton (``kivi_attention.py``'s kernel, kept for every other case): there the packed codes reach the
+MMA operand layout through shared-memory layout conversions and their barriers, and the kernel is latency-bound at
+18-29 % of the H200's bandwidth (``benchmarks/results/kivi_kernel_variants_h200.md``). Here every operand is in a
+layout the kernel names (one warp a program, no cross-warp reduction):
+
+* **codes enter the MMA as subnormal floats**: a 16-bit float whose bit pattern is ``N < 256`` is exactly
+  ``N * 2^-133`` (bf16; the subnormals join the first binade without a gap), so after two byte permutes a word,
+  ``x & (3 << 2j) * 0x00010001`` is two exact floats ``code * 4^j * 2^-133`` — one instruction a pair, no
+  conversion arithmetic (:data:`_PLANES`);
+* the missing factors go to the other operand: the keys' per-channel scales, ``4^-j`` and a lift of ``2^100`` into
+  the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities;
+  logits come out in units of ``2^-33`` (folded into the ``exp2``), the output's ``2^(33 - 2j)`` once at the end;
+  the keys' zeros by one MMA of the broadcast zeros against ``q * 2^-33``; the values' zeros' share
+  ``sum_s p_s zero_s`` and the softmax sum kept per thread and reduced once at the end;
+* a ring of ``STAGES`` shared-memory buffers filled by ``cp.async``: group ``g + STAGES - 1``'s codes, scales,
+  zeros and positions are in flight while group ``g`` computes; the page index is read a group ahead.
+
+It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (``kivi_quant.py``). The lists'
+quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
+go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's split written by the
+Triton kernel (``RESIDUAL_ONLY``). H200 (``benchmarks/results/kivi_gluon_v3_h200.jsonl``, Llama-3.1-8B attention):
+159.5 us at 128K x 4 against the Triton kernel's 333.4 (2.6 TB/s on the bytes read), 18.7 vs 32.5 us at 32K x 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+except ImportError:  # pragma: no cover - no Triton, or one without Gluon
+    gluon = None
+
+#: Launch configuration (``results/kivi_gluon_v3_h200.jsonl``: 4 stages x 16 programs an SM the fastest or within
+#: 2 % at every point; 183 registers, 13 KB of shared memory a program).
+KIVI_GLUON_CONFIG = {"stages": 4, "programs_per_sm": 16}
+
+
+def gluon_supported(query: torch.Tensor, bits: int, group: int, dim: int, page: int, rows: int,
+                    scale_dtype: torch.dtype) -> bool:
+    """Shapes and devices this kernel takes: 2 bits, groups of 32, head dim 128, bf16 queries and scales, at most
+    8 query rows (queries x GQA) a KV head, pages of whole groups, an sm_90 GPU."""
+    return (gluon is not None and query.is_cuda and bits == 2 and group == 32 and dim == 128 and page % group == 0
+            and rows <= 8 and query.dtype == torch.bfloat16 and scale_dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(query.device) == (9, 0))
+
+
+if gluon is not None:
+    # Triton 3.6 names the copy async_copy_global_to_shared and the barrier thread_barrier; 3.7+ async_load, barrier
+    _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    # bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
+    _PLANES = gl.constexpr(
+        "{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $8, z, 0x4140; prmt.b32 b, $8, z, 0x4342;"
+        " and.b32 $0, a, 0x00030003; and.b32 $1, b, 0x00030003; and.b32 $2, a, 0x000C000C; and.b32 $3, b, 0x000C000C;"
+        " and.b32 $4, a, 0x00300030; and.b32 $5, b, 0x00300030; and.b32 $6, a, 0x00C000C0; and.b32 $7, b, 0x00C000C0; }")
+
+    @gluon.jit
+    def _planes(x):
+        """``[.., 4k]`` bytes -> the four 2-bit planes as bf16 ``code * 4^j * 2^-133``."""
+        return gl.inline_asm_elementwise(_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
+                                         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs, kss, kzs, vcs, vss, vzs, pss, page, h, off, ok,
+               KV_HEADS: gl.constexpr, PAGE: gl.constexpr):
+        """cp.async of one key group (slots ``off .. off + 31`` of ``page``) into one ring stage, then commit."""
+        G: gl.constexpr = 32
+        B: gl.constexpr = 32
+        D: gl.constexpr = 128
+        t16: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [1, 1], [1, 0])  # 32 x 32 bytes, 16 a copy
+        t4: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 halves, 8 bytes a copy
+        t1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # 32 ints
+        r = gl.arange(0, G, layout=gl.SliceLayout(1, t16))
+        c = gl.arange(0, B, layout=gl.SliceLayout(0, t16))
+        base = page * KV_HEADS + h
+        grp = base * (PAGE // G) + off // G
+        _copy(kcs, KC + ((base * PAGE + off + r) * B)[:, None] + c[None, :], mask=ok)  # [slots, bytes]
+        _copy(vcs, VC + grp * (B * G) + (r * G)[:, None] + c[None, :], mask=ok)  # [bytes, slots] byte-major
+        d = gl.arange(0, D, layout=t4)
+        _copy(kss, KS + grp * D + d, mask=ok)
+        _copy(kzs, KZ + grp * D + d, mask=ok)
+        meta = base * ((D // G) * PAGE) + (d // G) * PAGE + off + d % G  # [D / G, G] of the page's [D / G, P]
+        _copy(vss, VS + meta, mask=ok)
+        _copy(vzs, VZ + meta, mask=ok)
+        _copy(pss, POS + base * PAGE + off + gl.arange(0, G, layout=t1), mask=ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _zeros_a(kzm, start: gl.constexpr, zt):
+        """A chunk's key zeros from the stage, broadcast over the A tile's rows."""
+        z = kzm.slice(start, 32).load(gl.SliceLayout(0, zt.type.layout))
+        zz, _ = gl.broadcast(z[None, :], zt)
+        return zz
+
+    @gluon.jit
+    def _values(acc, w, codes, pb, vm, zm):
+        """``acc += codes . (p * scale)^T`` for one value chunk (codes at ``4^j * 2^-133``), ``w += p * zero``."""
+        scale = vm.load(gl.SliceLayout(1, pb.type.layout)).to(gl.float32)
+        zero = zm.load(gl.SliceLayout(1, pb.type.layout)).to(gl.float32)
+        acc = mma_v2(codes, (pb * scale[:, None]).to(gl.bfloat16), acc)
+        return acc, w + pb * zero[:, None]
+
+    @gluon.jit
+    def _finish(acc, w, lift, inv, layout: gl.constexpr):
+        """A chunk's normalized output: ``(acc * lift + sum_s p_s zero_s) / l`` (the per-thread zero partials
+        reduced; ``2^-100`` undoes the probabilities' lift)."""
+        share = gl.convert_layout(gl.sum(w, axis=0), gl.SliceLayout(0, layout)) * 7.888609052210118e-31
+        return (acc * lift + share[None, :]) * inv[None, :]
+
+    @gluon.jit
+    def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE,
+                           stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_pb, qk_scale, window,
+                           num_queries, KV_HEADS: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr,
+                           NUM_SPLITS: gl.constexpr, QSPLITS: gl.constexpr, STAGES: gl.constexpr):
+        """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
+        groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last one the
+        residual's)."""
+        G: gl.constexpr = 32
+        C: gl.constexpr = 32
+        R: gl.constexpr = 8
+        D: gl.constexpr = 128
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's layout (the ring index apart)
+        flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        kcs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, C], flat2)
+        vcs = gl.allocate_shared_memory(gl.uint8, [STAGES, C, G], flat2)
+        kss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
+        kzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
+        vss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
+        vzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
+        pss = gl.allocate_shared_memory(gl.int32, [STAGES, G], flat1)
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        b = pid // KV_HEADS
+        h = pid % KV_HEADS
+        # rows: row = query * GROUP + head-in-group, as the Triton kernel's
+        qr = gl.arange(0, R, layout=gl.SliceLayout(0, b_l))
+        qc = gl.arange(0, C, layout=gl.SliceLayout(1, b_l))
+        qp = Q + b * stride_qb + (h * GROUP + qr % GROUP)[None, :] * stride_qh + (qr // GROUP)[None, :] * stride_qt
+        qok = (qr < num_queries * GROUP)[None, :]
+        q0 = gl.load(qp + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
+        q1 = gl.load(qp + C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
+        q2 = gl.load(qp + 2 * C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
+        q3 = gl.load(qp + 3 * C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
+        u0 = (q0 * 1.2676506002282294e30).to(gl.bfloat16)  # 2^100 (chunk j: 2^(100 - 2j), times the key scale)
+        u1 = (q1 * 3.1691265005705735e29).to(gl.bfloat16)
+        u2 = (q2 * 7.922816251426434e28).to(gl.bfloat16)
+        u3 = (q3 * 1.9807040628566084e28).to(gl.bfloat16)
+        z0 = (q0.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)  # 2^-33, for the zeros
+        z1 = (q1.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
+        z2 = (q2.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
+        z3 = (q3.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
+        mr = gl.arange(0, R, layout=gl.SliceLayout(0, mma))
+        rok = mr < num_queries * GROUP
+        qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1)
+        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+        l_t = gl.zeros([G, R], gl.float32, layout=mma)
+        o0 = gl.zeros([C, R], gl.float32, layout=mma)
+        o1 = gl.zeros([C, R], gl.float32, layout=mma)
+        o2 = gl.zeros([C, R], gl.float32, layout=mma)
+        o3 = gl.zeros([C, R], gl.float32, layout=mma)
+        w0 = gl.zeros([G, R], gl.float32, layout=b_l)
+        w1 = gl.zeros([G, R], gl.float32, layout=b_l)
+        w2 = gl.zeros([G, R], gl.float32, layout=b_l)
+        w3 = gl.zeros([G, R], gl.float32, layout=b_l)
+        zt = gl.zeros([G, C], gl.bfloat16, layout=a_l)
+        n_groups = gl.load(QUANT + b).to(gl.int32) // G
+        per = (n_groups + QSPLITS - 1) // QSPLITS
+        first = split * per
+        last = gl.minimum(first + per, n_groups)
+        pages = INDEX + b * stride_ib + h * stride_ih
+        for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 groups' copies
+            g = gl.minimum(first + i, gl.maximum(last - 1, 0))
+            page = gl.load(pages + g * G // PAGE).to(gl.int64)
+            _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(i), kss.index(i), kzs.index(i), vcs.index(i),
+                   vss.index(i), vzs.index(i), pss.index(i), page, h, g * G % PAGE, first + i < last, KV_HEADS, PAGE)
+        nxt_g = gl.minimum(first + STAGES - 1, gl.maximum(last - 1, 0))
+        ahead = gl.load(pages + nxt_g * G // PAGE).to(gl.int64)
+        for grp in range(first, last):
+            st = (grp - first) % STAGES
+            async_copy.wait_group(STAGES - 2)  # this group's copies landed (this thread's) ...
+            _barrier()  # ... and every lane's; every lane is done with the stage refilled next
+            nxt = grp + STAGES - 1
+            ns = (nxt - first) % STAGES
+            _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(ns), kss.index(ns), kzs.index(ns), vcs.index(ns),
+                   vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt_g * G % PAGE, nxt < last, KV_HEADS,
+                   PAGE)
+            nxt_g = gl.minimum(nxt + 1, last - 1)
+            ahead = gl.load(pages + nxt_g * G // PAGE).to(gl.int64)
+            ksm = kss.index(st)
+            kzm = kzs.index(st)
+            k0, k1, k2, k3 = _planes(kcs.index(st).load(a_l))
+            s = gl.zeros([G, R], gl.float32, layout=mma)
+            s = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
+            s = mma_v2(_zeros_a(kzm, C, zt), z1, s)
+            s = mma_v2(_zeros_a(kzm, 2 * C, zt), z2, s)
+            s = mma_v2(_zeros_a(kzm, 3 * C, zt), z3, s)
+            s = mma_v2(k0, u0 * ksm.slice(0, C).load(gl.SliceLayout(1, b_l))[:, None], s)
+            s = mma_v2(k1, u1 * ksm.slice(C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
+            s = mma_v2(k2, u2 * ksm.slice(2 * C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
+            s = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
+            kpos = pss.index(st).load(gl.SliceLayout(1, mma))
+            vis = (kpos[:, None] >= 0) & (kpos[:, None] <= qpos[None, :])
+            if window > 0:
+                vis = vis & (kpos[:, None] > qpos[None, :] - window)
+            s = gl.where(vis, s * 8589934592.0, float("-inf"))  # base-2 logits (2^33: the codes' units)
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - (m_use - 100.0)[None, :])  # p * 2^100 (the lift undone at the end)
+            if gl.max(gl.where(m_new > m_i, 1, 0), axis=0) > 0:  # a row's max rose: rescale (rarely after the start)
+                alpha = gl.exp2(m_i - m_use)
+                a = alpha[None, :]
+                ab = gl.convert_layout(alpha, gl.SliceLayout(0, b_l))[None, :]
+                l_t = l_t * a
+                o0, o1, o2, o3 = o0 * a, o1 * a, o2 * a, o3 * a
+                w0, w1, w2, w3 = w0 * ab, w1 * ab, w2 * ab, w3 * ab
+            m_i = m_new
+            l_t = l_t + p
+            pb = gl.convert_layout(p, b_l)
+            v0, v1, v2, v3 = _planes(vcs.index(st).load(a_l))
+            vsm = vss.index(st)
+            vzm = vzs.index(st)
+            o0, w0 = _values(o0, w0, v0, pb, vsm.slice(0, G), vzm.slice(0, G))
+            o1, w1 = _values(o1, w1, v1, pb, vsm.slice(G, G), vzm.slice(G, G))
+            o2, w2 = _values(o2, w2, v2, pb, vsm.slice(2 * G, G), vzm.slice(2 * G, G))
+            o3, w3 = _values(o3, w3, v3, pb, vsm.slice(3 * G, G), vzm.slice(3 * G, G))
+        async_copy.wait_group(0)
+        l_i = gl.sum(l_t, axis=0) * 7.888609052210118e-31  # 2^-100
+        inv = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
+        lse = gl.where(l_i == 0.0, float("-inf"), m_i * 0.6931471805599453 + gl.log(gl.where(l_i == 0.0, 1.0, l_i)))
+        qh = h * GROUP + mr % GROUP
+        mid = ((b * (KV_HEADS * GROUP) + qh) * num_queries + mr // GROUP) * NUM_SPLITS + split
+        gl.store(MID_LSE + mid, lse, mask=rok)
+        orow = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
+        out = MID_O + mid[None, :] * D + orow[:, None]
+        ok = rok[None, :]
+        gl.store(out, _finish(o0, w0, 8589934592.0, inv, mma), mask=ok)  # 2^(33 - 2j)
+        gl.store(out + C, _finish(o1, w1, 2147483648.0, inv, mma), mask=ok)
+        gl.store(out + 2 * C, _finish(o2, w2, 536870912.0, inv, mma), mask=ok)
+        gl.store(out + 3 * C, _finish(o3, w3, 134217728.0, inv, mma), mask=ok)
+
+
+def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
+                         scale: float, sliding_window: int, mid_o: torch.Tensor, mid_lse: torch.Tensor,
+                         qsplits: int) -> None:
+    """Splits ``0 .. qsplits - 1`` of ``mid_o [B, q_heads, queries, S, D] / mid_lse [B, q_heads, queries, S]``:
+    every list's quantized slots (``query``, ``index``, ``q_positions`` as :func:`.pool.launch_inputs` returns
+    them)."""
+    batch, q_heads, queries, _ = query.shape
+    heads, page_size = kcode.shape[1], kcode.shape[2]
+    _kivi_gluon_kernel[(batch * heads, qsplits)](
+        query, kcode.view(torch.uint8), kscale, kzero, vcode.view(torch.uint8), vscale, vzero, pos_pool, index,
+        quantized, q_positions, mid_o, mid_lse,
+        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
+        float(scale) * 1.4426950408889634, int(sliding_window), queries,
+        KV_HEADS=heads, GROUP=q_heads // heads, PAGE=page_size, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
+        STAGES=KIVI_GLUON_CONFIG["stages"], num_warps=1,
+    )
