@@ -80,6 +80,7 @@ if gluon is not None:
         r = gl.arange(0, G, layout=gl.SliceLayout(1, t16))
         c = gl.arange(0, B, layout=gl.SliceLayout(0, t16))
         base = page * KV_HEADS + h
+        off = gl.multiple_of(off, G)  # a group's first slot: the copies' 8- and 16-byte vectors stay aligned
         grp = base * (PAGE // G) + off // G
         _copy(kcs, KC + ((base * PAGE + off + r) * B)[:, None] + c[None, :], mask=ok)  # [slots, bytes]
         _copy(vcs, VC + grp * (B * G) + (r * G)[:, None] + c[None, :], mask=ok)  # [bytes, slots] byte-major
