@@ -43,8 +43,9 @@ KIVI_GLUON_CONFIG = {"stages": 4, "programs_per_sm": 16}
 def gluon_supported(query: torch.Tensor, bits: int, group: int, dim: int, page: int, rows: int,
                     scale_dtype: torch.dtype) -> bool:
     """Shapes and devices this kernel takes: 2 bits, groups of 32, head dim 128, bf16 queries and scales, at most
-    8 query rows (queries x GQA) a KV head, pages of whole groups, an sm_90 GPU."""
-    return (gluon is not None and query.is_cuda and bits == 2 and group == 32 and dim == 128 and page % group == 0
+    8 query rows (queries x GQA) a KV head, pages of one group (the engine's default with KIVI: ``max(page_size,
+    group_size)``), an sm_90 GPU."""
+    return (gluon is not None and query.is_cuda and bits == 2 and group == 32 and dim == 128 and page == group
             and rows <= 8 and query.dtype == torch.bfloat16 and scale_dtype == torch.bfloat16
             and torch.cuda.get_device_capability(query.device) == (9, 0))
 
@@ -57,8 +58,9 @@ if gluon is not None:
     # bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
     _PLANES = gl.constexpr(
         "{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $8, z, 0x4140; prmt.b32 b, $8, z, 0x4342;"
-        " and.b32 $0, a, 0x00030003; and.b32 $1, b, 0x00030003; and.b32 $2, a, 0x000C000C; and.b32 $3, b, 0x000C000C;"
-        " and.b32 $4, a, 0x00300030; and.b32 $5, b, 0x00300030; and.b32 $6, a, 0x00C000C0; and.b32 $7, b, 0x00C000C0; }")
+        " and.b32 $0, a, 0x00030003; and.b32 $1, b, 0x00030003; and.b32 $2, a, 0x000C000C;"
+        " and.b32 $3, b, 0x000C000C; and.b32 $4, a, 0x00300030; and.b32 $5, b, 0x00300030;"
+        " and.b32 $6, a, 0x00C000C0; and.b32 $7, b, 0x00C000C0; }")
 
     @gluon.jit
     def _planes(x):
@@ -68,9 +70,8 @@ if gluon is not None:
                                          pack=4)
 
     @gluon.jit
-    def _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs, kss, kzs, vcs, vss, vzs, pss, page, h, off, ok,
-               KV_HEADS: gl.constexpr, PAGE: gl.constexpr):
-        """cp.async of one key group (slots ``off .. off + 31`` of ``page``) into one ring stage, then commit."""
+    def _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs, kss, kzs, vcs, vss, vzs, pss, page, h, ok, KV_HEADS: gl.constexpr):
+        """cp.async of one page (one key group) into one ring stage, then commit."""
         G: gl.constexpr = 32
         B: gl.constexpr = 32
         D: gl.constexpr = 128
@@ -79,18 +80,15 @@ if gluon is not None:
         t1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # 32 ints
         r = gl.arange(0, G, layout=gl.SliceLayout(1, t16))
         c = gl.arange(0, B, layout=gl.SliceLayout(0, t16))
-        base = page * KV_HEADS + h
-        off = gl.multiple_of(off, G)  # a group's first slot: the copies' 8- and 16-byte vectors stay aligned
-        grp = base * (PAGE // G) + off // G
-        _copy(kcs, KC + ((base * PAGE + off + r) * B)[:, None] + c[None, :], mask=ok)  # [slots, bytes]
-        _copy(vcs, VC + grp * (B * G) + (r * G)[:, None] + c[None, :], mask=ok)  # [bytes, slots] byte-major
+        base = page * KV_HEADS + h  # (page, head): one group, so every block below is contiguous
+        _copy(kcs, KC + ((base * G + r) * B)[:, None] + c[None, :], mask=ok)  # [slots, bytes]
+        _copy(vcs, VC + base * (B * G) + (r * G)[:, None] + c[None, :], mask=ok)  # [bytes, slots] byte-major
         d = gl.arange(0, D, layout=t4)
-        _copy(kss, KS + grp * D + d, mask=ok)
-        _copy(kzs, KZ + grp * D + d, mask=ok)
-        meta = base * ((D // G) * PAGE) + (d // G) * PAGE + off + d % G  # [D / G, G] of the page's [D / G, P]
-        _copy(vss, VS + meta, mask=ok)
-        _copy(vzs, VZ + meta, mask=ok)
-        _copy(pss, POS + base * PAGE + off + gl.arange(0, G, layout=t1), mask=ok)
+        _copy(kss, KS + base * D + d, mask=ok)
+        _copy(kzs, KZ + base * D + d, mask=ok)
+        _copy(vss, VS + base * D + d, mask=ok)  # [D / G, G]
+        _copy(vzs, VZ + base * D + d, mask=ok)
+        _copy(pss, POS + base * G + gl.arange(0, G, layout=t1), mask=ok)
         async_copy.commit_group()
 
     @gluon.jit
@@ -118,8 +116,8 @@ if gluon is not None:
     @gluon.jit
     def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE,
                            stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_pb, qk_scale, window,
-                           num_queries, KV_HEADS: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr,
-                           NUM_SPLITS: gl.constexpr, QSPLITS: gl.constexpr, STAGES: gl.constexpr):
+                           num_queries, KV_HEADS: gl.constexpr, GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                           QSPLITS: gl.constexpr, STAGES: gl.constexpr):
         """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
         groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last one the
         residual's)."""
@@ -180,12 +178,10 @@ if gluon is not None:
         last = gl.minimum(first + per, n_groups)
         pages = INDEX + b * stride_ib + h * stride_ih
         for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 groups' copies
-            g = gl.minimum(first + i, gl.maximum(last - 1, 0))
-            page = gl.load(pages + g * G // PAGE).to(gl.int64)
+            page = gl.load(pages + gl.minimum(first + i, gl.maximum(last - 1, 0))).to(gl.int64)
             _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(i), kss.index(i), kzs.index(i), vcs.index(i),
-                   vss.index(i), vzs.index(i), pss.index(i), page, h, g * G % PAGE, first + i < last, KV_HEADS, PAGE)
-        nxt_g = gl.minimum(first + STAGES - 1, gl.maximum(last - 1, 0))
-        ahead = gl.load(pages + nxt_g * G // PAGE).to(gl.int64)
+                   vss.index(i), vzs.index(i), pss.index(i), page, h, first + i < last, KV_HEADS)
+        ahead = gl.load(pages + gl.minimum(first + STAGES - 1, gl.maximum(last - 1, 0))).to(gl.int64)
         for grp in range(first, last):
             st = (grp - first) % STAGES
             async_copy.wait_group(STAGES - 2)  # this group's copies landed (this thread's) ...
@@ -193,10 +189,8 @@ if gluon is not None:
             nxt = grp + STAGES - 1
             ns = (nxt - first) % STAGES
             _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(ns), kss.index(ns), kzs.index(ns), vcs.index(ns),
-                   vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt_g * G % PAGE, nxt < last, KV_HEADS,
-                   PAGE)
-            nxt_g = gl.minimum(nxt + 1, last - 1)
-            ahead = gl.load(pages + nxt_g * G // PAGE).to(gl.int64)
+                   vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt < last, KV_HEADS)
+            ahead = gl.load(pages + gl.minimum(nxt + 1, last - 1)).to(gl.int64)  # the page a group ahead
             ksm = kss.index(st)
             kzm = kzs.index(st)
             k0, k1, k2, k3 = _planes(kcs.index(st).load(a_l))
@@ -257,12 +251,12 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
     every list's quantized slots (``query``, ``index``, ``q_positions`` as :func:`.pool.launch_inputs` returns
     them)."""
     batch, q_heads, queries, _ = query.shape
-    heads, page_size = kcode.shape[1], kcode.shape[2]
+    heads = kcode.shape[1]
     _kivi_gluon_kernel[(batch * heads, qsplits)](
         query, kcode.view(torch.uint8), kscale, kzero, vcode.view(torch.uint8), vscale, vzero, pos_pool, index,
         quantized, q_positions, mid_o, mid_lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
         float(scale) * 1.4426950408889634, int(sliding_window), queries,
-        KV_HEADS=heads, GROUP=q_heads // heads, PAGE=page_size, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
+        KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
         STAGES=KIVI_GLUON_CONFIG["stages"], num_warps=1,
     )
