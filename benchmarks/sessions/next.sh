@@ -580,6 +580,14 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_pkg2)  # #20: the Gluon KIVI decode at 2 and 4 bits: the KIVI GPU tests, kernel_bench's kivi rows, then decode
+  # through the engine at 128K x 4 (vanilla, kivi2: kivi_bench.py --points) (~9 min)
+  timeout -s INT 250 $P tests/gpu/test_kivi_cuda.py -x > "$OUT/gpu_tests_kivi_pkg2.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_pkg2.log" | tail -6
+  timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_pkg2.log" 2>&1
+  echo "rc=$?"; grep "2-bit\"\|4-bit\"" "$OUT/kernels_kivi_pkg2.log" | cut -c1-200 | head -20
+  timeout -s INT 190 python3 benchmarks/kivi_bench.py --quick --stage points --points vanilla:131072x4,kivi2:131072x4 \
+    --out "$OUT/kivi_points_gluon_h200.jsonl" > "$OUT/kivi_points.log" 2>&1; echo "rc=$?"; tail -5 "$OUT/kivi_points.log" | cut -c1-400 ;;
 kivi_pkg)  # #20: the package's Gluon KIVI decode (kernels/kivi_gluon.py, byte-major value groups): the KIVI GPU tests,
   # then kernel_bench's kivi rows (default = Gluon at 2 bits with bf16 scales, "triton" = the Triton kernel) (~6 min)
   timeout -s INT 330 $P tests/gpu/test_kivi_cuda.py -x > "$OUT/gpu_tests_kivi_pkg.log" 2>&1

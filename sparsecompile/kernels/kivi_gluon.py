@@ -1,4 +1,4 @@
-"""The quantized part of KIVI decode attention in Gluon (Triton's explicit-layout dialect), CUDA sm_90, 2 bits.
+"""The quantized part of KIVI decode attention in Gluon (Triton's explicit-layout dialect), CUDA sm_90, 2 / 4 bits.
 
 Why not plain Triton (``kivi_attention.py``'s kernel, kept for every other case): there the packed codes reach the
 MMA operand layout through shared-memory layout conversions and their barriers, and the kernel is latency-bound at
@@ -7,8 +7,8 @@ layout the kernel names (one warp a program, no cross-warp reduction):
 
 * **codes enter the MMA as subnormal floats**: a 16-bit float whose bit pattern is ``N < 256`` is exactly
   ``N * 2^-133`` (bf16; the subnormals join the first binade without a gap), so after two byte permutes a word,
-  ``x & (3 << 2j) * 0x00010001`` is two exact floats ``code * 4^j * 2^-133`` — one instruction a pair, no
-  conversion arithmetic (:data:`_PLANES`);
+  ``x & (3 << 2j) * 0x00010001`` is two exact floats ``code * 4^j * 2^-133`` (4 bits: ``15 << 4j``, ``16^j``) —
+  one instruction a pair, no conversion arithmetic (:data:`_PLANES`);
 * the missing factors go to the other operand: the keys' per-channel scales, ``4^-j`` and a lift of ``2^100`` into
   the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities;
   logits come out in units of ``2^-33`` (folded into the ``exp2``), the output's ``2^(33 - 2j)`` once at the end;
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .kivi_quant import storage_bits
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -42,10 +44,10 @@ KIVI_GLUON_CONFIG = {"stages": 4, "programs_per_sm": 16}
 
 def gluon_supported(query: torch.Tensor, bits: int, group: int, dim: int, page: int, rows: int,
                     scale_dtype: torch.dtype) -> bool:
-    """Shapes and devices this kernel takes: 2 bits, groups of 32, head dim 128, bf16 queries and scales, at most
+    """Shapes and devices this kernel takes: 2 or 4 bits, groups of 32, head dim 128, bf16 queries and scales, at most
     8 query rows (queries x GQA) a KV head, pages of one group (the engine's default with KIVI: ``max(page_size,
     group_size)``), an sm_90 GPU."""
-    return (gluon is not None and query.is_cuda and bits == 2 and group == 32 and dim == 128 and page == group
+    return (gluon is not None and query.is_cuda and bits in (2, 4) and group == 32 and dim == 128 and page == group
             and rows <= 8 and query.dtype == torch.bfloat16 and scale_dtype == torch.bfloat16
             and torch.cuda.get_device_capability(query.device) == (9, 0))
 
@@ -69,20 +71,47 @@ if gluon is not None:
                                          dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
                                          pack=4)
 
+    _PLANES4 = gl.constexpr(
+        "{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $4, z, 0x4140; prmt.b32 b, $4, z, 0x4342;"
+        " and.b32 $0, a, 0x000F000F; and.b32 $1, b, 0x000F000F; and.b32 $2, a, 0x00F000F0;"
+        " and.b32 $3, b, 0x00F000F0; }")
+
     @gluon.jit
-    def _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs, kss, kzs, vcs, vss, vzs, pss, page, h, ok, KV_HEADS: gl.constexpr):
+    def _planes4(x):
+        """``[.., 4k]`` bytes -> the two 4-bit planes as bf16 ``code * 16^j * 2^-133``."""
+        return gl.inline_asm_elementwise(_PLANES4, "=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16, gl.bfloat16),
+                                         is_pure=True, pack=4)
+
+    @gluon.jit
+    def _chunks(tile, BITS: gl.constexpr, dim: gl.constexpr):
+        """A stage's codes (keys ``[G, B]``, ``dim`` 1; values ``[B, G]``, ``dim`` 0) -> the four channel chunks'
+        A operands (chunk ``j``: channels ``32j ..``, at byte ``32j % B``, plane ``32j // B``)."""
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]), k_width=8)
+        if BITS == 2:
+            c0, c1, c2, c3 = _planes(tile.load(a_l))
+        else:
+            c0, c2 = _planes4(tile.slice(0, 32, dim=dim).load(a_l))
+            c1, c3 = _planes4(tile.slice(32, 32, dim=dim).load(a_l))
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs, kss, kzs, vcs, vss, vzs, pss, page, h, ok, KV_HEADS: gl.constexpr,
+               B: gl.constexpr):
         """cp.async of one page (one key group) into one ring stage, then commit."""
         G: gl.constexpr = 32
-        B: gl.constexpr = 32
         D: gl.constexpr = 128
-        t16: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [1, 1], [1, 0])  # 32 x 32 bytes, 16 a copy
+        tk: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // B, B // 16], [1, 1], [1, 0])  # [G, B], 16 a copy
+        tv: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [1, 1], [1, 0])  # [B, G]
         t4: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 halves, 8 bytes a copy
         t1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # 32 ints
-        r = gl.arange(0, G, layout=gl.SliceLayout(1, t16))
-        c = gl.arange(0, B, layout=gl.SliceLayout(0, t16))
+        r = gl.arange(0, G, layout=gl.SliceLayout(1, tk))
+        c = gl.arange(0, B, layout=gl.SliceLayout(0, tk))
         base = page * KV_HEADS + h  # (page, head): one group, so every block below is contiguous
         _copy(kcs, KC + ((base * G + r) * B)[:, None] + c[None, :], mask=ok)  # [slots, bytes]
-        _copy(vcs, VC + base * (B * G) + (r * G)[:, None] + c[None, :], mask=ok)  # [bytes, slots] byte-major
+        vr = gl.arange(0, B, layout=gl.SliceLayout(1, tv))
+        vs = gl.arange(0, G, layout=gl.SliceLayout(0, tv))
+        _copy(vcs, VC + base * (B * G) + (vr * G)[:, None] + vs[None, :], mask=ok)  # [bytes, slots] byte-major
         d = gl.arange(0, D, layout=t4)
         _copy(kss, KS + base * D + d, mask=ok)
         _copy(kzs, KZ + base * D + d, mask=ok)
@@ -117,12 +146,16 @@ if gluon is not None:
     def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE,
                            stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_pb, qk_scale, window,
                            num_queries, KV_HEADS: gl.constexpr, GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                           QSPLITS: gl.constexpr, STAGES: gl.constexpr):
+                           QSPLITS: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr,
+                           U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
+                           L0: gl.constexpr, L1: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
         """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
         groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last one the
-        residual's)."""
+        residual's). ``U_j``: chunk ``j``'s query lift ``2^(100 - s_j)``, ``L_j`` its output's ``2^(33 - s_j)``
+        (``s_j`` the chunk's bit offset in a byte)."""
         G: gl.constexpr = 32
         C: gl.constexpr = 32
+        B: gl.constexpr = 32 * BITS // 2
         R: gl.constexpr = 8
         D: gl.constexpr = 128
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -130,8 +163,8 @@ if gluon is not None:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's layout (the ring index apart)
         flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        kcs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, C], flat2)
-        vcs = gl.allocate_shared_memory(gl.uint8, [STAGES, C, G], flat2)
+        kcs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, B], flat2)
+        vcs = gl.allocate_shared_memory(gl.uint8, [STAGES, B, G], flat2)
         kss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
         kzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
         vss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
@@ -150,10 +183,10 @@ if gluon is not None:
         q1 = gl.load(qp + C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
         q2 = gl.load(qp + 2 * C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
         q3 = gl.load(qp + 3 * C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
-        u0 = (q0 * 1.2676506002282294e30).to(gl.bfloat16)  # 2^100 (chunk j: 2^(100 - 2j), times the key scale)
-        u1 = (q1 * 3.1691265005705735e29).to(gl.bfloat16)
-        u2 = (q2 * 7.922816251426434e28).to(gl.bfloat16)
-        u3 = (q3 * 1.9807040628566084e28).to(gl.bfloat16)
+        u0 = (q0 * U0).to(gl.bfloat16)  # times the group's key scales, once a group
+        u1 = (q1 * U1).to(gl.bfloat16)
+        u2 = (q2 * U2).to(gl.bfloat16)
+        u3 = (q3 * U3).to(gl.bfloat16)
         z0 = (q0.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)  # 2^-33, for the zeros
         z1 = (q1.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
         z2 = (q2.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
@@ -180,7 +213,7 @@ if gluon is not None:
         for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 groups' copies
             page = gl.load(pages + gl.minimum(first + i, gl.maximum(last - 1, 0))).to(gl.int64)
             _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(i), kss.index(i), kzs.index(i), vcs.index(i),
-                   vss.index(i), vzs.index(i), pss.index(i), page, h, first + i < last, KV_HEADS)
+                   vss.index(i), vzs.index(i), pss.index(i), page, h, first + i < last, KV_HEADS, B)
         ahead = gl.load(pages + gl.minimum(first + STAGES - 1, gl.maximum(last - 1, 0))).to(gl.int64)
         for grp in range(first, last):
             st = (grp - first) % STAGES
@@ -189,11 +222,11 @@ if gluon is not None:
             nxt = grp + STAGES - 1
             ns = (nxt - first) % STAGES
             _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(ns), kss.index(ns), kzs.index(ns), vcs.index(ns),
-                   vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt < last, KV_HEADS)
+                   vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt < last, KV_HEADS, B)
             ahead = gl.load(pages + gl.minimum(nxt + 1, last - 1)).to(gl.int64)  # the page a group ahead
             ksm = kss.index(st)
             kzm = kzs.index(st)
-            k0, k1, k2, k3 = _planes(kcs.index(st).load(a_l))
+            k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1)
             s = gl.zeros([G, R], gl.float32, layout=mma)
             s = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
             s = mma_v2(_zeros_a(kzm, C, zt), z1, s)
@@ -221,7 +254,7 @@ if gluon is not None:
             m_i = m_new
             l_t = l_t + p
             pb = gl.convert_layout(p, b_l)
-            v0, v1, v2, v3 = _planes(vcs.index(st).load(a_l))
+            v0, v1, v2, v3 = _chunks(vcs.index(st), BITS, 0)
             vsm = vss.index(st)
             vzm = vzs.index(st)
             o0, w0 = _values(o0, w0, v0, pb, vsm.slice(0, G), vzm.slice(0, G))
@@ -238,10 +271,10 @@ if gluon is not None:
         orow = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
         out = MID_O + mid[None, :] * D + orow[:, None]
         ok = rok[None, :]
-        gl.store(out, _finish(o0, w0, 8589934592.0, inv, mma), mask=ok)  # 2^(33 - 2j)
-        gl.store(out + C, _finish(o1, w1, 2147483648.0, inv, mma), mask=ok)
-        gl.store(out + 2 * C, _finish(o2, w2, 536870912.0, inv, mma), mask=ok)
-        gl.store(out + 3 * C, _finish(o3, w3, 134217728.0, inv, mma), mask=ok)
+        gl.store(out, _finish(o0, w0, L0, inv, mma), mask=ok)
+        gl.store(out + C, _finish(o1, w1, L1, inv, mma), mask=ok)
+        gl.store(out + 2 * C, _finish(o2, w2, L2, inv, mma), mask=ok)
+        gl.store(out + 3 * C, _finish(o3, w3, L3, inv, mma), mask=ok)
 
 
 def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
@@ -250,13 +283,17 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
     """Splits ``0 .. qsplits - 1`` of ``mid_o [B, q_heads, queries, S, D] / mid_lse [B, q_heads, queries, S]``:
     every list's quantized slots (``query``, ``index``, ``q_positions`` as :func:`.pool.launch_inputs` returns
     them)."""
-    batch, q_heads, queries, _ = query.shape
+    batch, q_heads, queries, dim = query.shape
     heads = kcode.shape[1]
+    bits = storage_bits(kcode, dim)
+    shifts = [(32 * j // (dim * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
+    lifts = {**{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
+             **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
     _kivi_gluon_kernel[(batch * heads, qsplits)](
         query, kcode.view(torch.uint8), kscale, kzero, vcode.view(torch.uint8), vscale, vzero, pos_pool, index,
         quantized, q_positions, mid_o, mid_lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
         float(scale) * 1.4426950408889634, int(sliding_window), queries,
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
-        STAGES=KIVI_GLUON_CONFIG["stages"], num_warps=1,
+        STAGES=KIVI_GLUON_CONFIG["stages"], BITS=bits, **lifts, num_warps=1,
     )
