@@ -580,6 +580,12 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_final)  # #20: the Gluon KIVI decode's visibility in two compares (no window branch): its decode tests; the op's
+  # launch variants (programs an SM x register cap 184) at 2 / 4 bits (sessions/kivi_gluon_sweep.py) (~4 min)
+  timeout -s INT 130 $P tests/gpu/test_kivi_cuda.py -x -k decode_attention > "$OUT/gpu_tests_kivi_final.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_final.log" | tail -6
+  timeout -s INT 150 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_sweep_h200.jsonl" 2> "$OUT/sweep.err"
+  echo "rc=$?"; cut -c1-160 "$OUT/kivi_gluon_sweep_h200.jsonl"; tail -3 "$OUT/sweep.err" ;;
 kivi_pkg2)  # #20: the Gluon KIVI decode at 2 and 4 bits: the KIVI GPU tests, kernel_bench's kivi rows, then decode
   # through the engine at 128K x 4 (vanilla, kivi2: kivi_bench.py --points) (~9 min)
   timeout -s INT 250 $P tests/gpu/test_kivi_cuda.py -x > "$OUT/gpu_tests_kivi_pkg2.log" 2>&1

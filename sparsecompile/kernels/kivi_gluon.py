@@ -194,6 +194,8 @@ if gluon is not None:
         mr = gl.arange(0, R, layout=gl.SliceLayout(0, mma))
         rok = mr < num_queries * GROUP
         qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1)
+        # visible: a token (position >= 0), not in the future, inside a sliding window (transformers' convention)
+        qlo = gl.where(window > 0, qpos - window, -1)
         m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
         l_t = gl.zeros([G, R], gl.float32, layout=mma)
         o0 = gl.zeros([C, R], gl.float32, layout=mma)
@@ -237,9 +239,7 @@ if gluon is not None:
             s = mma_v2(k2, u2 * ksm.slice(2 * C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
             s = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
             kpos = pss.index(st).load(gl.SliceLayout(1, mma))
-            vis = (kpos[:, None] >= 0) & (kpos[:, None] <= qpos[None, :])
-            if window > 0:
-                vis = vis & (kpos[:, None] > qpos[None, :] - window)
+            vis = (kpos[:, None] > qlo[None, :]) & (kpos[:, None] <= qpos[None, :])
             s = gl.where(vis, s * 8589934592.0, float("-inf"))  # base-2 logits (2^33: the codes' units)
             m_new = gl.maximum(m_i, gl.max(s, axis=0))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -296,4 +296,5 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
         float(scale) * 1.4426950408889634, int(sliding_window), queries,
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
         STAGES=KIVI_GLUON_CONFIG["stages"], BITS=bits, **lifts, num_warps=1,
+        **({"maxnreg": KIVI_GLUON_CONFIG["maxnreg"]} if KIVI_GLUON_CONFIG.get("maxnreg") else {}),
     )
