@@ -39,21 +39,25 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kivi_gluon_decode import (  # noqa: E402
-    BITS, D, GQA, KV_HEADS, PAGE, _asm, _keys, combine, inputs, loop_mix, reference, shared_ops,
+    BITS,
+    GQA,
+    KV_HEADS,
+    PAGE,
+    D,
+    _asm,
+    _keys,
+    combine,
+    inputs,
+    loop_mix,
+    reference,
+    shared_ops,
 )
 
-# bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
-_PLANES = gl.constexpr("{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $8, z, 0x4140; prmt.b32 b, $8, z, 0x4342;"
-           " and.b32 $0, a, 0x00030003; and.b32 $1, b, 0x00030003; and.b32 $2, a, 0x000C000C; and.b32 $3, b, 0x000C000C;"
-           " and.b32 $4, a, 0x00300030; and.b32 $5, b, 0x00300030; and.b32 $6, a, 0x00C000C0; and.b32 $7, b, 0x00C000C0; }")
+from sparsecompile.kernels.kivi_gluon import _planes  # noqa: E402  (the package kernel's copy of the code planes)
+
 LOG_UP = gl.constexpr(100)  # the query's / probabilities' exponent lift: codes are 2^-133, so products land at 2^-33
-
-
-@gluon.jit
-def _planes(x):
-    return gl.inline_asm_elementwise(_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
-                                     dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -221,7 +225,9 @@ def registers(cubin: bytes) -> int:
 
 def compile_only(lazy: bool) -> None:
     sig = {**SIG, "groups_per_split": "i32", "n_groups": "i32", "stride_ib": "i32", "stride_ih": "i32",
-           "qk_scale": "fp32", **{k: "constexpr" for k in ("KV_HEADS", "GQA", "PAGE", "NSPLIT", "LAZY", "KEYS_V1", "VALS_V1", *_asm())}}
+           "qk_scale": "fp32",
+           **{k: "constexpr"
+              for k in ("KV_HEADS", "GQA", "PAGE", "NSPLIT", "LAZY", "KEYS_V1", "VALS_V1", *_asm())}}
     consts = {"KV_HEADS": KV_HEADS, "GQA": GQA, "PAGE": PAGE, "NSPLIT": 33, "LAZY": lazy, "KEYS_V1": False,
               "VALS_V1": False, **_asm()}
     src = GluonASTSource(_decode2, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(SIG))})

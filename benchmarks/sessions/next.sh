@@ -600,11 +600,11 @@ kivi_pkg)  # #20: the package's Gluon KIVI decode (kernels/kivi_gluon.py, byte-m
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_pkg.log" | tail -6
   timeout -s INT 200 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_pkg.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"" "$OUT/kernels_kivi_pkg.log" | cut -c1-220 | head -20 ;;
-kivi_gluon4)  # #20: v3 on the pool's own layouts (sessions/kivi_gluon_v4.py: value codes / metadata transposed by
+kivi_gluon4)  # (ran; the script is in commit bc9dbdd) #20: v3 on the pool's own layouts (sessions/kivi_gluon_v4.py: value codes / metadata transposed by
   # shared-memory reads): error and time, 2 / 4 stages x 12 / 16 / 24 programs an SM (~1.5 min)
   timeout 250 python3 benchmarks/sessions/kivi_gluon_v4.py > "$OUT/kivi_gluon_v4_h200.jsonl" 2> "$OUT/kivi_gluon_v4.err"
   echo "rc=$?"; cut -c1-200 "$OUT/kivi_gluon_v4_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon_v4.err" | tail -12 ;;
-kivi_gluon3)  # #20: v2's arithmetic fed by a cp.async ring (sessions/kivi_gluon_v3.py): error against the fp32
+kivi_gluon3)  # (ran; the script is in commit bc9dbdd) #20: v2's arithmetic fed by a cp.async ring (sessions/kivi_gluon_v3.py): error against the fp32
   # reference, 2 / 4 / 8 stages x 10 / 16 / 32 programs an SM at the four points; v2 (fixed key factors) after (~3 min)
   timeout 250 python3 benchmarks/sessions/kivi_gluon_v3.py > "$OUT/kivi_gluon_v3_h200.jsonl" 2> "$OUT/kivi_gluon_v3.err"
   echo "rc=$?"; cut -c1-200 "$OUT/kivi_gluon_v3_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon_v3.err" | tail -12 ;;

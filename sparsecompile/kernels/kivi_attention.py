@@ -12,7 +12,9 @@ Triton kernel (CUDA): flash-decoding over the list, split across programs and me
 one key group, computed transposed (the codes are the MMAs' first operand): keys are dequantized in the MMA operand
 registers, four codes a register (:func:`_code_asm`); values enter the MMA as exact codes, their per-slot scales
 multiplied into the probabilities and their zeros' share added per value group (the kernel's docstring);
-accumulation in fp32.
+accumulation in fp32. Where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 queries and scales, 2 or 4
+bits, group 32, head dim 128, pages of one group, no logits) the quantized slots go to the Gluon kernel instead and
+this kernel takes only the residual ring, as the last split (:func:`_gluon_and_residual`).
 """
 
 from __future__ import annotations
