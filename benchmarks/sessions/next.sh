@@ -608,7 +608,7 @@ kivi_gluon3)  # (ran; the script is in commit bc9dbdd) #20: v2's arithmetic fed 
   # reference, 2 / 4 / 8 stages x 10 / 16 / 32 programs an SM at the four points; v2 (fixed key factors) after (~3 min)
   timeout 250 python3 benchmarks/sessions/kivi_gluon_v3.py > "$OUT/kivi_gluon_v3_h200.jsonl" 2> "$OUT/kivi_gluon_v3.err"
   echo "rc=$?"; cut -c1-200 "$OUT/kivi_gluon_v3_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon_v3.err" | tail -12 ;;
-kivi_gluon2)  # #20: the Gluon KIVI decode with codes as subnormal floats (sessions/kivi_gluon_v2.py): error against
+kivi_gluon2)  # (ran; the script is in commit bc9dbdd) #20: the Gluon KIVI decode with codes as subnormal floats (sessions/kivi_gluon_v2.py): error against
   # the fp32 reference at every point, eager vs lazy rescale, 12 / 16 / 24 programs an SM (~2 min)
   timeout 300 python3 benchmarks/sessions/kivi_gluon_v2.py > "$OUT/kivi_gluon_v2_h200.jsonl" 2> "$OUT/kivi_gluon_v2.err"
   echo "rc=$?"; cut -c1-220 "$OUT/kivi_gluon_v2_h200.jsonl"; grep -v "leak\|nanobind\|^ - " "$OUT/kivi_gluon_v2.err" | tail -12 ;;
