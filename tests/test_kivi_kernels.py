@@ -120,6 +120,23 @@ def test_quantize_reference_stores_the_formulas(bits):
     assert torch.equal(v[1, :, :GROUP], kq.dequantize_values(vcodes, vs, vz))
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_value_groups_are_byte_major(bits):
+    """``vcode``'s layout, which the Gluon and Triton decode kernels read: byte ``j`` of a group's slots together,
+    channel ``k * B + j`` at bit ``k * bits`` of byte ``j``; unpacking pages gives the codes back in slot order."""
+    codes = torch.randint(0, 2 ** bits, (3, HEADS, GROUP, DIM))
+    nbytes = DIM * bits // 8
+    words = kq.pack_value_groups(codes, bits)
+    assert words.shape == (3, HEADS, nbytes, GROUP // 4) and words.dtype == torch.int32
+    byte = words.view(torch.uint8).long()  # [.., B, G]
+    for k in range(8 // bits):
+        assert torch.equal((byte >> (k * bits)) & (2 ** bits - 1), codes[..., k * nbytes:(k + 1) * nbytes].mT)
+    assert torch.equal(kq.unpack_value_groups(words[:, :, None], bits), codes)  # pages of one group
+    shapes = kq.page_shapes(5, HEADS, PAGE, DIM, bits, GROUP)  # every page tensor indexed by page first, same bytes
+    assert [sh[0] for sh in shapes] == [5] * 6
+    assert math.prod(shapes[0]) == math.prod(shapes[1]) and math.prod(shapes[4]) == 5 * HEADS * PAGE * DIM // GROUP
+
+
 @needs_triton
 @pytest.mark.parametrize("bits", [2, 4])
 def test_triton_quantize_matches_reference(bits):
