@@ -39,6 +39,16 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 thirteenth session: kivi_gluon (the Gluon probe: correct, 1.4x the Triton kernel), kivi_gluon2 (codes as
+# subnormal floats: 637 instructions a group, no faster; a wrong key factor found by the diagnosis, fixed),
+# kivi_gluon3 (a cp.async ring: 159.5 us at 128K x 4, 2.09x), kivi_gluon4 (the old value layout needs a shared-memory
+# gather Triton 3.6 lacks -> values stored byte-major per group), kivi_pkg x3 (the package kernel: 3.6 rejected an
+# unaligned metadata copy twice; then 22 passed), kivi_pkg2 (4 bits too: 22 passed; 187.1 / 208.1 us at 128K x 4;
+# kivi2 363.7 vs vanilla 189.8 tok/s = 1.92x), kivi_final (visibility in two compares: 12 decode tests passed;
+# launch sweep: 16 programs an SM, no register cap). Next: fold the residual ring into the Gluon kernel (three
+# launches cost 35.5 us at 32K x 1 against the Triton kernel's old 32.5) and give it h2o+kivi's logits (the Triton
+# kernel, which h2o+kivi and fp16 models still take, reads byte-major values 1.3-1.4x slower: 141 vs 104 us with
+# logits at batch 64); an fp16 form; then test_export_cuda alone; #18 if the two-GPU kind is lent.
 # 2026-12-04 twelfth session: kivi_h2o (h2o+kivi's GPU tests: 5 passed; logits 14.1 vs 12.5 us at 2,080 x 1), a
 # variant sweep of the KIVI kernel (offset codes for values / keys' scales folded into the query, both slower; the
 # stage and the variants removed, kept as sessions/kivi_offset_variants.patch), kivi_h2o_user (h2o 188.8, h2o+kivi
