@@ -45,10 +45,13 @@
 # gather Triton 3.6 lacks -> values stored byte-major per group), kivi_pkg x3 (the package kernel: 3.6 rejected an
 # unaligned metadata copy twice; then 22 passed), kivi_pkg2 (4 bits too: 22 passed; 187.1 / 208.1 us at 128K x 4;
 # kivi2 363.7 vs vanilla 189.8 tok/s = 1.92x), kivi_final (visibility in two compares: 12 decode tests passed;
-# launch sweep: 16 programs an SM, no register cap). Next: fold the residual ring into the Gluon kernel (three
-# launches cost 35.5 us at 32K x 1 against the Triton kernel's old 32.5) and give it h2o+kivi's logits (the Triton
-# kernel, which h2o+kivi and fp16 models still take, reads byte-major values 1.3-1.4x slower: 141 vs 104 us with
-# logits at batch 64); an fp16 form; then test_export_cuda alone; #18 if the two-GPU kind is lent.
+# launch sweep: 16 programs an SM, no register cap). Next: kivi_logits (prepared offline: h2o+kivi's logits from the
+# Gluon kernel, 199 registers, 770 instructions a group); fold the residual ring into the Gluon kernel (three
+# launches cost 35.5 us at 32K x 1 against the Triton kernel's old 32.5; folded in one kernel offline: 255 registers,
+# so not kept: a separate small residual kernel or fewer live tiles). The Triton kernel, which h2o+kivi and fp16
+# models still take, reads byte-major values 1.3-1.4x slower (141 vs 104 us with logits at batch 64): kivi_logits
+# moves h2o+kivi off it; an fp16 form of the Gluon kernel would move the rest. Then test_export_cuda alone; #18 if
+# the two-GPU kind is lent.
 # 2026-12-04 twelfth session: kivi_h2o (h2o+kivi's GPU tests: 5 passed; logits 14.1 vs 12.5 us at 2,080 x 1), a
 # variant sweep of the KIVI kernel (offset codes for values / keys' scales folded into the query, both slower; the
 # stage and the variants removed, kept as sessions/kivi_offset_variants.patch), kivi_h2o_user (h2o 188.8, h2o+kivi
@@ -590,6 +593,15 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_logits)  # #20 (prepared 2026-12-04, not run): h2o+kivi's logits from the Gluon kernel (sessions/kivi_gluon_logits.patch,
+  # applied here; the Triton residual split writes its own): the decode tests (with_logits at splits None = Gluon),
+  # then kernel_bench's kivi rows (the logits rows at 2,080 x 1 / 16 / 64: 15.9 / 45.5 / 141.2 us with the Triton
+  # kernel on byte-major values, 14.1 / 36.4 / 103.9 before them). If both pass, commit the patch. (~4 min)
+  patch -p1 < benchmarks/sessions/kivi_gluon_logits.patch || exit 1
+  timeout -s INT 150 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_logits.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_logits.log" | tail -6
+  timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_logits.log" 2>&1
+  echo "rc=$?"; grep "2080" "$OUT/kernels_kivi_logits.log" | cut -c1-160 ;;
 kivi_final)  # #20: the Gluon KIVI decode's visibility in two compares (no window branch): its decode tests; the op's
   # launch variants (programs an SM x register cap 184) at 2 / 4 bits (sessions/kivi_gluon_sweep.py) (~4 min)
   timeout -s INT 130 $P tests/gpu/test_kivi_cuda.py -x -k decode_attention > "$OUT/gpu_tests_kivi_final.log" 2>&1
