@@ -20,8 +20,10 @@ layout the kernel names (one warp a program, no cross-warp reduction):
 It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (``kivi_quant.py``). The lists'
 quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
 go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's split written by the
-Triton kernel (``RESIDUAL_ONLY``). H200 (``benchmarks/results/kivi_gluon_v3_h200.jsonl``, Llama-3.1-8B attention):
-159.5 us at 128K x 4 against the Triton kernel's 333.4 (2.6 TB/s on the bytes read), 18.7 vs 32.5 us at 32K x 1.
+Triton kernel (``RESIDUAL_ONLY``). H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
+kernels_kivi_gluon_h200.jsonl``): 2 bits 187.1 us at 128K x 4 against the Triton kernel's 330 (this kernel alone,
+as a probe: 159.5, ``kivi_gluon_v3_h200.jsonl``), 4 bits 208.1 against 369.5; at 32K x 1 the three launches take
+35.5 us against the Triton kernel's 32.5.
 """
 
 from __future__ import annotations
