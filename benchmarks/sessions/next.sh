@@ -31,7 +31,7 @@
 #   bash benchmarks/sessions/next.sh gaps_h2o     # #13 h2o's GPU idle at 32K, default chunks                       ~1.5 min
 #   bash benchmarks/sessions/next.sh h2o_evict    # #14 evict_lowest: GPU tests, generate() h2o vs snapkv, profile  ~7 min
 #   bash benchmarks/sessions/next.sh quest_topk   # #14 topk tail / shared OmniKV slots: tests, 32K x 1 + 128K x 4  ~6 min
-#   bash benchmarks/sessions/next.sh kivi_fma     # #20 KIVI decode on the CUDA cores vs the package kernel       ~5 min
+#   bash benchmarks/sessions/next.sh kivi_fma     # (ran; the script is in commit 98213e2) #20 KIVI decode on the CUDA cores
 #   bash benchmarks/sessions/next.sh omnikv_fused # #14 OmniKV's filter scores from the attention kernel: tests, 128K x 4 ~6 min
 #   POINT=131072x4 METHODS=snapkv,h2o bash benchmarks/sessions/next.sh user_points  # #14 generate() at one point ~6-8 min
 #   bash benchmarks/sessions/next.sh verify_variants  # #14 item 3: GPU tests after the per-variant programs     ~8 min
@@ -281,7 +281,7 @@ quest_topk)  # #14: topk_select as a main tile plus a tail (Quest's 8,203 pages:
     --max-batch "" --prefill "" --profile 131072x4 --out "$OUT" --tag _h200_quest_topk > "$OUT/quest_topk.log" 2>&1
   echo "rc=$?"; grep -E '"method"' "$OUT/quest_topk.log" | cut -c1-200
   grep -h "topk_select_kernel\|_quest_scores\|_paged_attention" "$OUT"/profile_*_128k_b4.txt | cut -c1-200 ;;
-kivi_fma)  # #20: KIVI decode attention on the CUDA cores (benchmarks/sessions/kivi_fma.py: no tl.dot, exact GQA rows)
+kivi_fma)  # (ran 2026-12-02; the script is in commit 98213e2) #20: KIVI decode on the CUDA cores (no tl.dot, exact GQA rows)
   # against the package kernel (9-18 % of the bandwidth), 2 / 4 bits at 32K x 1, 32K x 16, 128K x 1, 128K x 4, nine
   # launch configs; a clear win replaces the package's quantized loop (~5 min)
   (cd benchmarks && timeout -s INT 500 python3 sessions/kivi_fma.py --out "$OUT" > "$OUT/kivi_fma.log" 2>&1)
