@@ -284,7 +284,8 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
                          qsplits: int) -> None:
     """Splits ``0 .. qsplits - 1`` of ``mid_o [B, q_heads, queries, S, D] / mid_lse [B, q_heads, queries, S]``:
     every list's quantized slots (``query``, ``index``, ``q_positions`` as :func:`.pool.launch_inputs` returns
-    them)."""
+    them). Every list reads ``quantized[b]`` slots from pages, which the storage keeps ``<= lengths[b, h]`` (``Q(n) <=
+    n``, one slot count a row, as the Triton kernel's quantized loop also assumes)."""
     batch, q_heads, queries, dim = query.shape
     heads = kcode.shape[1]
     bits = storage_bits(kcode, dim)
