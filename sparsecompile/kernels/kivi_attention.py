@@ -14,7 +14,7 @@ registers, four codes a register (:func:`_code_asm`); values enter the MMA as ex
 multiplied into the probabilities and their zeros' share added per value group (the kernel's docstring);
 accumulation in fp32. Where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 queries and scales, 2 or 4
 bits, group 32, head dim 128, pages of one group, no logits) the quantized slots go to the Gluon kernel instead and
-this kernel takes only the residual ring, as the last split (:func:`_gluon_and_residual`).
+this kernel takes only the residual ring, as the last split (``RESIDUAL_ONLY``).
 """
 
 from __future__ import annotations
@@ -365,15 +365,18 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
                                                ring_v, ring_rows, index, lengths, quantized, q_positions, scale,
                                                sliding_window, span=index.shape[2] * page_size)
     query, index, q_positions = launch_inputs(query, index, q_positions)
-    if not with_logits and num_splits is None and config is None and \
-            gluon_supported(query, bits, group_size, dim, page_size, queries * group, kscale.dtype):
-        return _gluon_and_residual(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                   ring_rows, index, lengths, quantized, q_positions, scale, sliding_window)
+    # the Gluon kernel takes the quantized slots (every split but the last), this one the residual (the last)
+    gluon = not with_logits and num_splits is None and config is None and \
+        gluon_supported(query, bits, group_size, dim, page_size, queries * group, kscale.dtype)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
     block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
-    splits = num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"], query.device)
+    if gluon:
+        splits = wave_splits(batch * heads, span, 4 * group_size, KIVI_GLUON_CONFIG["programs_per_sm"],
+                             query.device) + 1
+    else:
+        splits = num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"], query.device)
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
@@ -384,11 +387,15 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         lse = torch.empty(batch, q_heads, queries, dtype=torch.float32, device=query.device)
     else:
         logits = lse = out
+    quantized = quantized.contiguous()
+    if gluon:
+        kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
+                             q_positions, scale, sliding_window, mid_o, mid_lse, splits - 1)
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
     asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
-    _kivi_decode_kernel[(batch * heads, splits)](
+    _kivi_decode_kernel[(batch * heads, 1 if gluon else splits)](
         query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
-        ring_v, ring_rows.contiguous(), index, lengths, quantized.contiguous(), q_positions, out, mid_o, mid_lse,
+        ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse,
         logits, lse,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
         lengths.stride(0), lengths.stride(1), q_positions.stride(0),
@@ -397,7 +404,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
         BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
         ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6], VSM3=asm[7],
-        WRITE_LOGITS=with_logits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WRITE_LOGITS=with_logits, RESIDUAL_ONLY=gluon, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
     )
     if splits > 1:
@@ -407,44 +414,6 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_logits,
         )
     return (out, lse, logits) if with_logits else out
-
-
-def _gluon_and_residual(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
-                        index, lengths, quantized, q_positions, scale, sliding_window) -> torch.Tensor:
-    """The quantized slots by the Gluon kernel (``kivi_gluon.py``, splits filling a wave of one-warp programs), the
-    residual ring by this module's kernel (``RESIDUAL_ONLY``, the last split), merged by the combine kernel."""
-    batch, q_heads, queries, dim = query.shape
-    heads, page_size = kcode.shape[1], kcode.shape[2]
-    group_size = page_size // kscale.shape[2]
-    qsplits = wave_splits(batch * heads, index.shape[2] * page_size, 4 * group_size,
-                          KIVI_GLUON_CONFIG["programs_per_sm"], query.device)
-    splits = qsplits + 1
-    out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
-    mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
-    mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
-    quantized = quantized.contiguous()
-    kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
-                         scale, sliding_window, mid_o, mid_lse, qsplits)
-    cfg = KIVI_DECODE_CONFIG
-    _kivi_decode_kernel[(batch * heads, 1)](
-        query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
-        ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse, out, out,
-        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
-        lengths.stride(0), lengths.stride(1), q_positions.stride(0),
-        ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        float(scale), int(sliding_window), queries, 0,
-        KV_HEADS=heads, GROUP=q_heads // heads, PAGE=page_size, G=group_size, D=dim, BITS=storage_bits(kcode, dim),
-        RING=ring_k.shape[2],
-        BLOCK_M=8, BLOCK_F=cfg["block_f"], C=32, NUM_SPLITS=splits, DT=tl.bfloat16,
-        ASM0="", ASM1="", ASM2="", ASM3="", VSM0="", VSM1="", VSM2="", VSM3="",
-        WRITE_LOGITS=False, RESIDUAL_ONLY=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    _combine_kernel[(batch * q_heads * queries,)](
-        mid_o, mid_lse, out, out, out.stride(0), out.stride(1), out.stride(2), queries,
-        Q_HEADS=q_heads, HEAD_DIM=dim, BLOCK_D=dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-        WRITE_LSE=False,
-    )
-    return out
 
 
 def _fake(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,

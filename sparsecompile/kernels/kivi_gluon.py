@@ -28,6 +28,8 @@ as a probe: 159.5, ``kivi_gluon_v3_h200.jsonl``), 4 bits 208.1 against 369.5; at
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kivi_quant import storage_bits
@@ -40,8 +42,14 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
     gluon = None
 
 #: Launch configuration (``results/kivi_gluon_v3_h200.jsonl``: 4 stages x 16 programs an SM the fastest or within
-#: 2 % at every point; 183 registers, 13 KB of shared memory a program).
+#: 2 % at every point of the probe; ``results/kivi_gluon_sweep_h200.jsonl``: with this kernel, 205 registers and
+#: 13 KB of shared memory a program at 2 bits, 16 programs an SM without a register cap the fastest or within 1 %).
 KIVI_GLUON_CONFIG = {"stages": 4, "programs_per_sm": 16}
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def gluon_supported(query: torch.Tensor, bits: int, group: int, dim: int, page: int, rows: int,
@@ -51,7 +59,7 @@ def gluon_supported(query: torch.Tensor, bits: int, group: int, dim: int, page: 
     group_size)``), an sm_90 GPU."""
     return (gluon is not None and query.is_cuda and bits in (2, 4) and group == 32 and dim == 128 and page == group
             and rows <= 8 and query.dtype == torch.bfloat16 and scale_dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(query.device) == (9, 0))
+            and _sm90(query.device.index if query.device.index is not None else torch.cuda.current_device()))
 
 
 if gluon is not None:
@@ -85,11 +93,9 @@ if gluon is not None:
                                          is_pure=True, pack=4)
 
     @gluon.jit
-    def _chunks(tile, BITS: gl.constexpr, dim: gl.constexpr):
+    def _chunks(tile, BITS: gl.constexpr, dim: gl.constexpr, a_l: gl.constexpr):
         """A stage's codes (keys ``[G, B]``, ``dim`` 1; values ``[B, G]``, ``dim`` 0) -> the four channel chunks'
-        A operands (chunk ``j``: channels ``32j ..``, at byte ``32j % B``, plane ``32j // B``)."""
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]), k_width=8)
+        A operands in layout ``a_l`` (chunk ``j``: channels ``32j ..``, at byte ``32j % B``, plane ``32j // B``)."""
         if BITS == 2:
             c0, c1, c2, c3 = _planes(tile.load(a_l))
         else:
@@ -230,7 +236,7 @@ if gluon is not None:
             ahead = gl.load(pages + gl.minimum(nxt + 1, last - 1)).to(gl.int64)  # the page a group ahead
             ksm = kss.index(st)
             kzm = kzs.index(st)
-            k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1)
+            k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1, a_l)
             s = gl.zeros([G, R], gl.float32, layout=mma)
             s = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
             s = mma_v2(_zeros_a(kzm, C, zt), z1, s)
@@ -256,7 +262,7 @@ if gluon is not None:
             m_i = m_new
             l_t = l_t + p
             pb = gl.convert_layout(p, b_l)
-            v0, v1, v2, v3 = _chunks(vcs.index(st), BITS, 0)
+            v0, v1, v2, v3 = _chunks(vcs.index(st), BITS, 0, a_l)
             vsm = vss.index(st)
             vzm = vzs.index(st)
             o0, w0 = _values(o0, w0, v0, pb, vsm.slice(0, G), vzm.slice(0, G))

@@ -186,23 +186,21 @@ if triton is not None:
         return q.to(tl.int32), scale, zero
 
     @triton.jit
-    def _pack(codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-        """``[ROWS, D]`` codes -> ``[ROWS, D * BITS / 32]`` int32 words: channel ``k * B + 4 * w + i`` (``B = D * BITS
-        / 8`` bytes) at bit ``8 * i + k * BITS`` of word ``w`` (the module docstring's byte layout)."""
-        PER_BYTE: tl.constexpr = 8 // BITS
-        W: tl.constexpr = D * BITS // 32
-        c = tl.reshape(codes, (ROWS, PER_BYTE, W, 4))
-        shifts = (tl.arange(0, PER_BYTE) * BITS)[None, :, None, None] + (tl.arange(0, 4) * 8)[None, None, None, :]
-        return tl.sum(tl.sum(c << shifts, axis=3), axis=1)
-
-    @triton.jit
     def _pack_bytes(codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-        """``[ROWS, D]`` codes -> ``[ROWS, B]`` bytes (as int32): channel ``k * B + j`` at bit ``k * BITS`` of byte
-        ``j``."""
+        """``[ROWS, D]`` codes -> ``[ROWS, B]`` bytes (as int32; ``B = D * BITS / 8``): channel ``k * B + j`` at bit
+        ``k * BITS`` of byte ``j`` (the module docstring's byte layout)."""
         PER_BYTE: tl.constexpr = 8 // BITS
         B: tl.constexpr = D * BITS // 8
         c = tl.reshape(codes, (ROWS, PER_BYTE, B))
         return tl.sum(c << (tl.arange(0, PER_BYTE) * BITS)[None, :, None], axis=1)
+
+    @triton.jit
+    def _pack(codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """``[ROWS, D]`` codes -> ``[ROWS, D * BITS / 32]`` int32 words, the bytes of :func:`_pack_bytes`
+        little-endian."""
+        W: tl.constexpr = D * BITS // 32
+        b = tl.reshape(_pack_bytes(codes, ROWS, D, BITS), (ROWS, W, 4))
+        return tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
 
     @triton.jit
     def _quantize_kernel(KC, VC, KS, KZ, VS, VZ, K, V, DST, stride_km, stride_kh, stride_kt, stride_vm, stride_vh,
