@@ -13,8 +13,9 @@ one key group, computed transposed (the codes are the MMAs' first operand): keys
 registers, four codes a register (:func:`_code_asm`); values enter the MMA as exact codes, their per-slot scales
 multiplied into the probabilities and their zeros' share added per value group (the kernel's docstring);
 accumulation in fp32. Where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 queries and scales, 2 or 4
-bits, group 32, head dim 128, pages of one group, no logits) the quantized slots go to the Gluon kernel instead and
-this kernel takes only the residual ring, as the last split (``RESIDUAL_ONLY``).
+bits, group 32, head dim 128, pages of one group) the quantized slots go to the Gluon kernel instead and this
+kernel takes only the residual ring, as the last split (``RESIDUAL_ONLY``); with logits (``h2o+kivi``) each writes
+its own slots' and the combine kernel the log-sum-exp.
 """
 
 from __future__ import annotations
@@ -366,7 +367,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
                                                sliding_window, span=index.shape[2] * page_size)
     query, index, q_positions = launch_inputs(query, index, q_positions)
     # the Gluon kernel takes the quantized slots (every split but the last), this one the residual (the last)
-    gluon = not with_logits and num_splits is None and config is None and \
+    gluon = num_splits is None and config is None and \
         gluon_supported(query, bits, group_size, dim, page_size, queries * group, kscale.dtype)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
     block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
@@ -390,7 +391,8 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     quantized = quantized.contiguous()
     if gluon:
         kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
-                             q_positions, scale, sliding_window, mid_o, mid_lse, splits - 1)
+                             q_positions, scale, sliding_window, mid_o, mid_lse, splits - 1,
+                             logits if with_logits else None)
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
     asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
     _kivi_decode_kernel[(batch * heads, 1 if gluon else splits)](

@@ -151,16 +151,18 @@ if gluon is not None:
         return (acc * lift + share[None, :]) * inv[None, :]
 
     @gluon.jit
-    def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE,
+    def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE, LOGITS,
                            stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_pb, qk_scale, window,
-                           num_queries, KV_HEADS: gl.constexpr, GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                           QSPLITS: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr,
+                           num_queries, logits_span, KV_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                           NUM_SPLITS: gl.constexpr, QSPLITS: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr,
+                           WRITE_LOGITS: gl.constexpr,
                            U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
                            L0: gl.constexpr, L1: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
         """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
         groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last one the
-        residual's). ``U_j``: chunk ``j``'s query lift ``2^(100 - s_j)``, ``L_j`` its output's ``2^(33 - s_j)``
-        (``s_j`` the chunk's bit offset in a byte)."""
+        residual's); ``WRITE_LOGITS`` (one query a sequence): every quantized slot's natural-log logit (-inf where
+        masked) to ``LOGITS [batch, q_heads, logits_span]``. ``U_j``: chunk ``j``'s query lift ``2^(100 - s_j)``,
+        ``L_j`` its output's ``2^(33 - s_j)`` (``s_j`` the chunk's bit offset in a byte)."""
         G: gl.constexpr = 32
         C: gl.constexpr = 32
         B: gl.constexpr = 32 * BITS // 2
@@ -204,6 +206,8 @@ if gluon is not None:
         qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1)
         # visible: a token (position >= 0), not in the future, inside a sliding window (transformers' convention)
         qlo = gl.where(window > 0, qpos - window, -1)
+        lrow = (b * (KV_HEADS * GROUP) + h * GROUP + mr).to(gl.int64) * logits_span  # WRITE_LOGITS: rows = heads
+        lslot = gl.arange(0, G, layout=gl.SliceLayout(1, mma))
         m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
         l_t = gl.zeros([G, R], gl.float32, layout=mma)
         o0 = gl.zeros([C, R], gl.float32, layout=mma)
@@ -249,6 +253,9 @@ if gluon is not None:
             kpos = pss.index(st).load(gl.SliceLayout(1, mma))
             vis = (kpos[:, None] > qlo[None, :]) & (kpos[:, None] <= qpos[None, :])
             s = gl.where(vis, s * 8589934592.0, float("-inf"))  # base-2 logits (2^33: the codes' units)
+            if WRITE_LOGITS:  # natural units; a page is one group, so the list's slots grp * G ..
+                gl.store(LOGITS + lrow[None, :] + (grp * G + lslot)[:, None], s * 0.6931471805599453,
+                         mask=rok[None, :])
             m_new = gl.maximum(m_i, gl.max(s, axis=0))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(s - (m_use - 100.0)[None, :])  # p * 2^100 (the lift undone at the end)
@@ -287,11 +294,12 @@ if gluon is not None:
 
 def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
                          scale: float, sliding_window: int, mid_o: torch.Tensor, mid_lse: torch.Tensor,
-                         qsplits: int) -> None:
+                         qsplits: int, logits: torch.Tensor | None = None) -> None:
     """Splits ``0 .. qsplits - 1`` of ``mid_o [B, q_heads, queries, S, D] / mid_lse [B, q_heads, queries, S]``:
     every list's quantized slots (``query``, ``index``, ``q_positions`` as :func:`.pool.launch_inputs` returns
-    them). Every list reads ``quantized[b]`` slots from pages, which the storage keeps ``<= lengths[b, h]`` (``Q(n) <=
-    n``, one slot count a row, as the Triton kernel's quantized loop also assumes)."""
+    them); with ``logits [B, q_heads, span]`` (one query a sequence) the quantized slots' logits too. Every list
+    reads ``quantized[b]`` slots from pages, which the storage keeps ``<= lengths[b, h]`` (``Q(n) <= n``, one slot
+    count a row, as the Triton kernel's quantized loop also assumes)."""
     batch, q_heads, queries, dim = query.shape
     heads = kcode.shape[1]
     bits = storage_bits(kcode, dim)
@@ -300,10 +308,10 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
              **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
     _kivi_gluon_kernel[(batch * heads, qsplits)](
         query, kcode.view(torch.uint8), kscale, kzero, vcode.view(torch.uint8), vscale, vzero, pos_pool, index,
-        quantized, q_positions, mid_o, mid_lse,
+        quantized, q_positions, mid_o, mid_lse, mid_lse if logits is None else logits,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
-        float(scale) * 1.4426950408889634, int(sliding_window), queries,
+        float(scale) * 1.4426950408889634, int(sliding_window), queries, 0 if logits is None else logits.shape[-1],
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
-        STAGES=KIVI_GLUON_CONFIG["stages"], BITS=bits, **lifts, num_warps=1,
+        STAGES=KIVI_GLUON_CONFIG["stages"], BITS=bits, WRITE_LOGITS=logits is not None, **lifts, num_warps=1,
         **({"maxnreg": KIVI_GLUON_CONFIG["maxnreg"]} if KIVI_GLUON_CONFIG.get("maxnreg") else {}),
     )

@@ -95,7 +95,8 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
     if scale_dtype == torch.float16:  # the fp16 form of the in-register dequantization
         fp16 = kivi_decode_attention_triton(query.half(), *args[1:])
         torch.testing.assert_close(fp16.float(), want.float(), atol=3e-2, rtol=3e-2)
-    # h2o+kivi's form: the logits of every slot and the log-sum-exp beside the output (split and one-split launches);
+    # h2o+kivi's form: the logits of every slot and the log-sum-exp beside the output (the Gluon kernel's quantized
+    # slots beside the residual split with bf16 scales, else the Triton kernel's splits; and its one-split launch);
     # logits of unit-scale dots in bf16 operands: 5e-2, the probabilities that H2O adds up: 1e-3 absolute
     _, lse_ref, logits_ref = kivi_decode_attention_logits_reference(*args)
     for splits in (None, 1):
