@@ -12,8 +12,10 @@ layout the kernel names (one warp a program, no cross-warp reduction):
 * the missing factors go to the other operand: the keys' per-channel scales, ``4^-j`` and a lift of ``2^100`` into
   the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities;
   logits come out in units of ``2^-33`` (folded into the ``exp2``), the output's ``2^(33 - 2j)`` once at the end;
-  the keys' zeros by one MMA of the broadcast zeros against ``q * 2^-33``; the values' zeros' share
-  ``sum_s p_s zero_s`` and the softmax sum kept per thread and reduced once at the end;
+  the keys' zeros by one MMA of the broadcast zeros against ``q * 2^-33``; the values' zeros' shares
+  ``sum_s p_s zero_s`` of the four chunks and the softmax sum ``sum_s p_s`` by one more MMA a group (an A tile of
+  the group's value zeros and a row of ones against the bf16 probabilities; per-thread partials before: 205
+  registers and 707 instructions a group at 2 bits, now 154 and 511);
 * a ring of ``STAGES`` shared-memory buffers filled by ``cp.async``: group ``g + STAGES - 1``'s codes, scales,
   zeros and positions are in flight while group ``g`` computes; the page index is read a group ahead.
 
@@ -21,9 +23,9 @@ It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (`
 quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
 go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's split written by the
 Triton kernel (``RESIDUAL_ONLY``). H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
-kernels_kivi_gluon_h200.jsonl``): 2 bits 187.1 us at 128K x 4 against the Triton kernel's 330 (this kernel alone,
-as a probe: 159.5, ``kivi_gluon_v3_h200.jsonl``), 4 bits 208.1 against 369.5; at 32K x 1 the three launches take
-35.5 us against the Triton kernel's 32.5.
+kernels_kivi_stages3_h200.jsonl``, 4.44 TB/s measured in the same call): 2 bits 142.6 us at 128K x 4 (67 % of the
+bandwidth; the Triton kernel: 451.6), 143.9 at 32K x 16, 50.4 at 128K x 1, 29.0 at 32K x 1; 4 bits 195.2 / 192.7 /
+72.5 / 37.0 (80 / 81 / 54 / 26 %).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ try:
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon
     gluon = None
 
-#: Launch configuration (``results/kivi_gluon_v3_h200.jsonl``: 4 stages x 16 programs an SM the fastest or within
-#: 2 % at every point of the probe; ``results/kivi_gluon_sweep_h200.jsonl``: with this kernel, 205 registers and
-#: 13 KB of shared memory a program at 2 bits, 16 programs an SM without a register cap the fastest or within 1 %).
-KIVI_GLUON_CONFIG = {"stages": 4, "programs_per_sm": 16}
+#: Launch configuration per bit width (``results/kivi_gluon_stages_sweep_h200.jsonl``, 2026-12-04 fourteenth session:
+#: 2 bits, 3 stages x 12 programs an SM the fastest at all four points, 1-4 % ahead of 4 stages; 4 bits, 4 stages x
+#: 16 the fastest at 32K x 16, 128K x 1 and 128K x 4 (3 x 12 at 32K x 1); register caps of 144 or 128, which fit
+#: 13-16 programs an SM instead of 12, 10-25 % slower: each warp's own overlap counts more than their number).
+KIVI_GLUON_CONFIG = {2: {"stages": 3, "programs_per_sm": 12}, 4: {"stages": 4, "programs_per_sm": 16}}
 
 
 @functools.cache
@@ -124,7 +127,10 @@ if gluon is not None:
         _copy(kss, KS + base * D + d, mask=ok)
         _copy(kzs, KZ + base * D + d, mask=ok)
         _copy(vss, VS + base * D + d, mask=ok)  # [D / G, G]
-        _copy(vzs, VZ + base * D + d, mask=ok)
+        tz: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])  # [D / G, G], 8 bytes a copy
+        zr = gl.arange(0, D // G, layout=gl.SliceLayout(1, tz))
+        zc = gl.arange(0, G, layout=gl.SliceLayout(0, tz))
+        _copy(vzs.slice(0, D // G), VZ + base * D + (zr * G)[:, None] + zc[None, :], mask=ok)  # rows 0..3 of 16
         _copy(pss, POS + base * G + gl.arange(0, G, layout=t1), mask=ok)
         async_copy.commit_group()
 
@@ -136,19 +142,21 @@ if gluon is not None:
         return zz
 
     @gluon.jit
-    def _values(acc, w, codes, pb, vm, zm):
-        """``acc += codes . (p * scale)^T`` for one value chunk (codes at ``4^j * 2^-133``), ``w += p * zero``."""
-        scale = vm.load(gl.SliceLayout(1, pb.type.layout)).to(gl.float32)
-        zero = zm.load(gl.SliceLayout(1, pb.type.layout)).to(gl.float32)
-        acc = mma_v2(codes, (pb * scale[:, None]).to(gl.bfloat16), acc)
-        return acc, w + pb * zero[:, None]
+    def _values(acc, codes, pb, vm):
+        """``acc += codes . (p * scale)^T`` for one value chunk (codes at ``4^j * 2^-133``; ``p``, the scales and
+        their product bf16)."""
+        return mma_v2(codes, pb * vm.load(gl.SliceLayout(1, pb.type.layout))[:, None], acc)
 
     @gluon.jit
-    def _finish(acc, w, lift, inv, layout: gl.constexpr):
-        """A chunk's normalized output: ``(acc * lift + sum_s p_s zero_s) / l`` (the per-thread zero partials
-        reduced; ``2^-100`` undoes the probabilities' lift)."""
-        share = gl.convert_layout(gl.sum(w, axis=0), gl.SliceLayout(0, layout)) * 7.888609052210118e-31
-        return (acc * lift + share[None, :]) * inv[None, :]
+    def _row(sums, j: gl.constexpr):
+        """Row ``j`` of the ``[16, R]`` sums tile, ``2^-100`` undoing the probabilities' lift."""
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, sums.type.layout))
+        return gl.sum(gl.where(rows[:, None] == j, sums, 0.0), axis=0) * 7.888609052210118e-31
+
+    @gluon.jit
+    def _finish(acc, sums, j: gl.constexpr, lift, inv):
+        """Chunk ``j``'s normalized output: ``(acc * lift + sum_s p_s zero_s) / l``."""
+        return (acc * lift + _row(sums, j)[None, :]) * inv[None, :]
 
     @gluon.jit
     def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE, LOGITS,
@@ -178,7 +186,9 @@ if gluon is not None:
         kss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
         kzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
         vss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
-        vzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
+        # the values' zeros [D / G, G] as rows 0..3 of an A tile whose row 4 is ones: one MMA a group gives every
+        # chunk's zero share sum_s p_s zero_s and the softmax sum
+        vzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, G], flat2)
         pss = gl.allocate_shared_memory(gl.int32, [STAGES, G], flat1)
         pid = gl.program_id(0)
         split = gl.program_id(1)
@@ -209,16 +219,18 @@ if gluon is not None:
         lrow = (b * (KV_HEADS * GROUP) + h * GROUP + mr).to(gl.int64) * logits_span  # WRITE_LOGITS: rows = heads
         lslot = gl.arange(0, G, layout=gl.SliceLayout(1, mma))
         m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
-        l_t = gl.zeros([G, R], gl.float32, layout=mma)
+        sums = gl.zeros([16, R], gl.float32, layout=mma)  # rows 0..3: the chunks' zero shares, 4: sum_s p_s
         o0 = gl.zeros([C, R], gl.float32, layout=mma)
         o1 = gl.zeros([C, R], gl.float32, layout=mma)
         o2 = gl.zeros([C, R], gl.float32, layout=mma)
         o3 = gl.zeros([C, R], gl.float32, layout=mma)
-        w0 = gl.zeros([G, R], gl.float32, layout=b_l)
-        w1 = gl.zeros([G, R], gl.float32, layout=b_l)
-        w2 = gl.zeros([G, R], gl.float32, layout=b_l)
-        w3 = gl.zeros([G, R], gl.float32, layout=b_l)
         zt = gl.zeros([G, C], gl.bfloat16, layout=a_l)
+        tone: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+        ones = gl.where(gl.arange(0, 4, layout=gl.SliceLayout(1, tone))[:, None] == 0,
+                        gl.full([4, G], 1.0, gl.bfloat16, tone), gl.zeros([4, G], gl.bfloat16, tone))
+        for i in gl.static_range(STAGES):  # rows 4..15 once (the copies write rows 0..3)
+            vzs.index(i).slice(4, 4).store(ones)
+            vzs.index(i).slice(8, 8).store(gl.zeros([8, G], gl.bfloat16, tone))
         n_groups = gl.load(QUANT + b).to(gl.int32) // G
         per = (n_groups + QSPLITS - 1) // QSPLITS
         first = split * per
@@ -262,22 +274,19 @@ if gluon is not None:
             if gl.max(gl.where(m_new > m_i, 1, 0), axis=0) > 0:  # a row's max rose: rescale (rarely after the start)
                 alpha = gl.exp2(m_i - m_use)
                 a = alpha[None, :]
-                ab = gl.convert_layout(alpha, gl.SliceLayout(0, b_l))[None, :]
-                l_t = l_t * a
+                sums = sums * a
                 o0, o1, o2, o3 = o0 * a, o1 * a, o2 * a, o3 * a
-                w0, w1, w2, w3 = w0 * ab, w1 * ab, w2 * ab, w3 * ab
             m_i = m_new
-            l_t = l_t + p
-            pb = gl.convert_layout(p, b_l)
+            pb = gl.convert_layout(p.to(gl.bfloat16), b_l)
+            sums = mma_v2(vzs.index(st).load(a_l), pb, sums)
             v0, v1, v2, v3 = _chunks(vcs.index(st), BITS, 0, a_l)
             vsm = vss.index(st)
-            vzm = vzs.index(st)
-            o0, w0 = _values(o0, w0, v0, pb, vsm.slice(0, G), vzm.slice(0, G))
-            o1, w1 = _values(o1, w1, v1, pb, vsm.slice(G, G), vzm.slice(G, G))
-            o2, w2 = _values(o2, w2, v2, pb, vsm.slice(2 * G, G), vzm.slice(2 * G, G))
-            o3, w3 = _values(o3, w3, v3, pb, vsm.slice(3 * G, G), vzm.slice(3 * G, G))
+            o0 = _values(o0, v0, pb, vsm.slice(0, G))
+            o1 = _values(o1, v1, pb, vsm.slice(G, G))
+            o2 = _values(o2, v2, pb, vsm.slice(2 * G, G))
+            o3 = _values(o3, v3, pb, vsm.slice(3 * G, G))
         async_copy.wait_group(0)
-        l_i = gl.sum(l_t, axis=0) * 7.888609052210118e-31  # 2^-100
+        l_i = _row(sums, 4)
         inv = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
         lse = gl.where(l_i == 0.0, float("-inf"), m_i * 0.6931471805599453 + gl.log(gl.where(l_i == 0.0, 1.0, l_i)))
         qh = h * GROUP + mr % GROUP
@@ -286,10 +295,10 @@ if gluon is not None:
         orow = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
         out = MID_O + mid[None, :] * D + orow[:, None]
         ok = rok[None, :]
-        gl.store(out, _finish(o0, w0, L0, inv, mma), mask=ok)
-        gl.store(out + C, _finish(o1, w1, L1, inv, mma), mask=ok)
-        gl.store(out + 2 * C, _finish(o2, w2, L2, inv, mma), mask=ok)
-        gl.store(out + 3 * C, _finish(o3, w3, L3, inv, mma), mask=ok)
+        gl.store(out, _finish(o0, sums, 0, L0, inv), mask=ok)
+        gl.store(out + C, _finish(o1, sums, 1, L1, inv), mask=ok)
+        gl.store(out + 2 * C, _finish(o2, sums, 2, L2, inv), mask=ok)
+        gl.store(out + 3 * C, _finish(o3, sums, 3, L3, inv), mask=ok)
 
 
 def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
@@ -303,6 +312,7 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
     batch, q_heads, queries, dim = query.shape
     heads = kcode.shape[1]
     bits = storage_bits(kcode, dim)
+    cfg = KIVI_GLUON_CONFIG[bits]
     shifts = [(32 * j // (dim * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
     lifts = {**{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
              **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
@@ -312,6 +322,6 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
         float(scale) * 1.4426950408889634, int(sliding_window), queries, 0 if logits is None else logits.shape[-1],
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
-        STAGES=KIVI_GLUON_CONFIG["stages"], BITS=bits, WRITE_LOGITS=logits is not None, **lifts, num_warps=1,
-        **({"maxnreg": KIVI_GLUON_CONFIG["maxnreg"]} if KIVI_GLUON_CONFIG.get("maxnreg") else {}),
+        STAGES=cfg["stages"], BITS=bits, WRITE_LOGITS=logits is not None, **lifts, num_warps=1,
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
