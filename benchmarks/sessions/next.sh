@@ -593,6 +593,23 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_chains)  # #20 (fourteenth session): the Gluon KIVI decode's key logits as 1, 2 or 4 MMA chains (qk_chains)
+  # and programs an SM: sweep with each variant's error against the reference, then the bf16 decode tests with the
+  # best variant per bit width (~5 min)
+  timeout -s INT 200 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_chains_sweep_h200.jsonl" \
+    2> "$OUT/sweep.err"; echo "rc=$?"; tail -2 "$OUT/sweep.err"
+  python3 -c "import json
+for l in open('$OUT/kivi_gluon_chains_sweep_h200.jsonl'):
+    r = json.loads(l); print(r['bits'], r['batch'], r['context'], r['stages'], r['programs_per_sm'], r['qk_chains'],
+                             round(r['us'], 1), '%.1e' % r['err'])"
+  python3 benchmarks/sessions/kivi_gluon_pick.py "$OUT/kivi_gluon_chains_sweep_h200.jsonl" "$OUT/best.json"
+  timeout -s INT 150 python3 -c "import json, pytest
+from sparsecompile.kernels import kivi_gluon as g
+g.KIVI_GLUON_CONFIG.update({int(k): v for k, v in json.load(open('$OUT/best.json')).items()})
+print(g.KIVI_GLUON_CONFIG)
+raise SystemExit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', 'tests/gpu/test_kivi_cuda.py', '-k',
+                              'scale_dtype1 or scale_dtype2']))" > "$OUT/gpu_tests_kivi_chains_h200.log" 2>&1
+  echo "tests rc=$?"; tail -2 "$OUT/gpu_tests_kivi_chains_h200.log" ;;
 kivi_sums)  # (ran 2026-12-04 fourteenth session; its patch is in the package since, removed in the same commit)
   echo "ran: see results/gpu_tests_kivi_sums_h200.log" ;;
 kivi_logits)  # (superseded: the logits change is in the package since 2026-12-04 fourteenth session)

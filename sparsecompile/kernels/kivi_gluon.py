@@ -15,7 +15,7 @@ layout the kernel names (one warp a program, no cross-warp reduction):
   the keys' zeros by one MMA of the broadcast zeros against ``q * 2^-33``; the values' zeros' shares
   ``sum_s p_s zero_s`` of the four chunks and the softmax sum ``sum_s p_s`` by one more MMA a group (an A tile of
   the group's value zeros and a row of ones against the bf16 probabilities; per-thread partials before: 205
-  registers and 707 instructions a group at 2 bits, now 154 and 511);
+  registers and 707 instructions a group at 2 bits, now 158 and 518, the keys' logits in two MMA chains);
 * a ring of ``STAGES`` shared-memory buffers filled by ``cp.async``: group ``g + STAGES - 1``'s codes, scales,
   zeros and positions are in flight while group ``g`` computes; the page index is read a group ahead.
 
@@ -23,9 +23,9 @@ It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (`
 quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
 go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's split written by the
 Triton kernel (``RESIDUAL_ONLY``). H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
-kernels_kivi_stages3_h200.jsonl``, 4.44 TB/s measured in the same call): 2 bits 142.6 us at 128K x 4 (67 % of the
-bandwidth; the Triton kernel: 451.6), 143.9 at 32K x 16, 50.4 at 128K x 1, 29.0 at 32K x 1; 4 bits 195.2 / 192.7 /
-72.5 / 37.0 (80 / 81 / 54 / 26 %).
+kivi_gluon_chains_sweep_h200.jsonl``, this configuration; % of the 4.44 TB/s measured in ``kernels_kivi_stages3_h200
+.jsonl``): 2 bits 142.1 us at 128K x 4 (67 %; the Triton kernel: 451.6), 143.2 at 32K x 16 (67 %), 50.1 at 128K x 1
+(47 %), 27.2 at 32K x 1 (22 %); 4 bits 192.1 / 190.2 / 71.5 / 36.7 (81 / 82 / 54 / 27 %).
 """
 
 from __future__ import annotations
@@ -254,14 +254,17 @@ if gluon is not None:
             kzm = kzs.index(st)
             k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1, a_l)
             s = gl.zeros([G, R], gl.float32, layout=mma)
-            s = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
-            s = mma_v2(_zeros_a(kzm, C, zt), z1, s)
-            s = mma_v2(_zeros_a(kzm, 2 * C, zt), z2, s)
-            s = mma_v2(_zeros_a(kzm, 3 * C, zt), z3, s)
-            s = mma_v2(k0, u0 * ksm.slice(0, C).load(gl.SliceLayout(1, b_l))[:, None], s)
-            s = mma_v2(k1, u1 * ksm.slice(C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
-            s = mma_v2(k2, u2 * ksm.slice(2 * C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
-            s = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], s)
+            # two independent MMA chains (the zeros', the codes'), summed: 1.4 % (2 bits) to 7 % (4 bits) faster at
+            # 128K x 4 than one chain of eight, four chains no faster (results/kivi_gluon_chains_sweep_h200.jsonl)
+            sz = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
+            sz = mma_v2(_zeros_a(kzm, C, zt), z1, sz)
+            sz = mma_v2(_zeros_a(kzm, 2 * C, zt), z2, sz)
+            sz = mma_v2(_zeros_a(kzm, 3 * C, zt), z3, sz)
+            sc = mma_v2(k0, u0 * ksm.slice(0, C).load(gl.SliceLayout(1, b_l))[:, None], s)
+            sc = mma_v2(k1, u1 * ksm.slice(C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
+            sc = mma_v2(k2, u2 * ksm.slice(2 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
+            sc = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
+            s = sz + sc
             kpos = pss.index(st).load(gl.SliceLayout(1, mma))
             vis = (kpos[:, None] > qlo[None, :]) & (kpos[:, None] <= qpos[None, :])
             s = gl.where(vis, s * 8589934592.0, float("-inf"))  # base-2 logits (2^33: the codes' units)
