@@ -593,6 +593,20 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
+kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon KIVI decode for fp16 models too
+  # (sessions/kivi_gluon_fp16.patch: per-dtype units, fp16 codes N * 2^-24, no query lift, probabilities x 2^8; the
+  # bf16 path's logits as sc * 2^33 + sz, numerically the same; offline sm_90a 510 instructions, 158 registers both):
+  # fp16 rows on the Triton kernel, then the patch: every KIVI GPU test (fp16 queries with fp16 scales now take the
+  # Gluon kernel), the fp16 rows again, kernel_bench's bf16 rows. If the tests pass, commit the patch. (~7 min)
+  timeout -s INT 100 python3 benchmarks/sessions/kivi_fp16_rows.py triton > "$OUT/kivi_fp16_rows_h200.jsonl" 2>&1
+  echo "rc=$?"; cut -c1-170 "$OUT/kivi_fp16_rows_h200.jsonl"
+  patch -p1 < benchmarks/sessions/kivi_gluon_fp16.patch || exit 1
+  timeout -s INT 240 $P tests/gpu/test_kivi_cuda.py -x > "$OUT/gpu_tests_kivi_fp16.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_fp16.log" | tail -6
+  timeout -s INT 100 python3 benchmarks/sessions/kivi_fp16_rows.py gluon >> "$OUT/kivi_fp16_rows_h200.jsonl" 2>&1
+  echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
+  timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
+  echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
 kivi_chains)  # #20 (fourteenth session): the Gluon KIVI decode's key logits as 1, 2 or 4 MMA chains (qk_chains)
   # and programs an SM: sweep with each variant's error against the reference, then the bf16 decode tests with the
   # best variant per bit width (~5 min)
