@@ -39,6 +39,19 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 fourteenth session: kivi_sums (h2o+kivi's logits from the Gluon kernel and its zero shares / softmax sum
+# by one MMA a group: 22 GPU KIVI tests passed; 2-bit 153.4 us at 128K x 4, logits 79.7 us at 2,080 x 64 against the
+# Triton kernel's 141.2; launch sweep), then by hand: kivi_bench points vanilla / kivi2 / kivi4 at 128K x 4 (190.3 /
+# 420.6 / 360.8 tok/s: 2.21x) + test_mixed_cuda (8 passed) + kernel rows; the stage sweep (3 stages at 2 bits, caps
+# slower) + snapkv / snapkv+kivi at 128K x 4 (756.8 / 707.4); h2o / h2o+kivi through generate() at 32K x 1 (182.2 /
+# 173.1); the 3-stage decode tests (14 passed) + kernel rows; kivi_chains (two logits chains: 142.1 / 192.1 us at
+# 128K x 4, 10 bf16 decode tests passed). Device budget spent (1,564 of 1,800 s). Next: kivi_fp16 (prepared: the
+# Gluon kernel for fp16 models, sessions/kivi_gluon_fp16.patch, which also re-expresses the bf16 path's units:
+# run every KIVI GPU test with it); a full test_kivi_cuda run of the two-chain kernel (its CUDA-graph tests ran with
+# one chain); the engine decode points again (kivi2 / snapkv+kivi at 128K x 4 with the 3-stage, two-chain kernel);
+# an ncu source-level profile of the Gluon kernel (stall reasons: it issues ~42 % of the time at 2 bits); folding the
+# residual ring into the Gluon grid's last split (two launches instead of three at short lists); test_export_cuda
+# alone; #18 if the two-GPU kind is lent.
 # 2026-12-04 thirteenth session: kivi_gluon (the Gluon probe: correct, 1.4x the Triton kernel), kivi_gluon2 (codes as
 # subnormal floats: 637 instructions a group, no faster; a wrong key factor found by the diagnosis, fixed),
 # kivi_gluon3 (a cp.async ring: 159.5 us at 128K x 4, 2.09x), kivi_gluon4 (the old value layout needs a shared-memory
@@ -607,7 +620,13 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon K
   echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
   timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
-kivi_chains)  # #20 (fourteenth session): the Gluon KIVI decode's key logits as 1, 2 or 4 MMA chains (qk_chains)
+kivi_small)  # #20 (prepared 2026-12-04 fourteenth session): the Gluon KIVI decode's splits at the single-sequence points
+  # (22 / 47 % of the bandwidth at 32K x 1 / 128K x 1, five groups a split at 32K x 1): programs an SM x the fewest
+  # groups a split, 2 and 4 bits, each variant's error against the reference (~3 min)
+  timeout -s INT 200 python3 benchmarks/sessions/kivi_gluon_sweep.py --per-sm 4,8,12 --min-groups 4,8,16,32 \
+    --points 32768x1,131072x1 > "$OUT/kivi_gluon_small_sweep_h200.jsonl" 2> "$OUT/sweep.err"; echo "rc=$?"
+  tail -2 "$OUT/sweep.err"; cut -c1-170 "$OUT/kivi_gluon_small_sweep_h200.jsonl" ;;
+kivi_chains)  # (ran 2026-12-04 fourteenth session; the qk_chains switch is gone, two chains kept) #20: the Gluon KIVI decode's key logits as 1, 2 or 4 MMA chains (qk_chains)
   # and programs an SM: sweep with each variant's error against the reference, then the bf16 decode tests with the
   # best variant per bit width (~5 min)
   timeout -s INT 200 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_chains_sweep_h200.jsonl" \

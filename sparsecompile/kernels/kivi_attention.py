@@ -374,7 +374,8 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
     if gluon:
-        splits = wave_splits(batch * heads, span, 4 * group_size, KIVI_GLUON_CONFIG[bits]["programs_per_sm"],
+        launch = KIVI_GLUON_CONFIG[bits]
+        splits = wave_splits(batch * heads, span, launch["min_groups"] * group_size, launch["programs_per_sm"],
                              query.device) + 1
     else:
         splits = num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"], query.device)

@@ -47,7 +47,9 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 #: 2 bits, 3 stages x 12 programs an SM the fastest at all four points, 1-4 % ahead of 4 stages; 4 bits, 4 stages x
 #: 16 the fastest at 32K x 16, 128K x 1 and 128K x 4 (3 x 12 at 32K x 1); register caps of 144 or 128, which fit
 #: 13-16 programs an SM instead of 12, 10-25 % slower: each warp's own overlap counts more than their number).
-KIVI_GLUON_CONFIG = {2: {"stages": 3, "programs_per_sm": 12}, 4: {"stages": 4, "programs_per_sm": 16}}
+#: ``min_groups``: the fewest key groups a split holds (fewer splits at short lists).
+KIVI_GLUON_CONFIG = {2: {"stages": 3, "programs_per_sm": 12, "min_groups": 4},
+                     4: {"stages": 4, "programs_per_sm": 16, "min_groups": 4}}
 
 
 @functools.cache
