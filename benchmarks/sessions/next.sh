@@ -620,6 +620,12 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon K
   echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
   timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
+kivi_ncu)  # #20 (prepared 2026-12-04 fourteenth session): where the 2-bit Gluon KIVI decode waits (it issues ~42 % of the
+  # time): one launch at 128K x 4 under ncu, warp states and the source-level stall sampling (~2 min)
+  timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis \
+    python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Stall|Issued Warp|Eligible|Active Warps|Throughput|Warp Cycles" "$OUT/kivi_gluon_ncu_h200.txt" | head -30 ;;
 kivi_small)  # #20 (prepared 2026-12-04 fourteenth session): the Gluon KIVI decode's splits at the single-sequence points
   # (22 / 47 % of the bandwidth at 32K x 1 / 128K x 1, five groups a split at 32K x 1): programs an SM x the fewest
   # groups a split, 2 and 4 bits, each variant's error against the reference (~3 min)
