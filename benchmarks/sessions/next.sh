@@ -620,6 +620,19 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon K
   echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
   timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
+kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, not run): the residual ring as the Gluon grid's last split
+  # (sessions/kivi_gluon_ring.patch: two launches instead of three; its full-precision tiles loaded straight into the
+  # MMA operands; offline sm_90a 182 registers at 2 bits against 158, 186 at 4, 243 at 4 bits with logits, so 11
+  # programs an SM instead of 12 where it counts): the op at every point before and after, then the decode tests.
+  # Keep it only if the short lists gain more than the long ones lose. (~6 min)
+  timeout -s INT 120 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_ring_before_h200.jsonl" \
+    2> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
+  patch -p1 < benchmarks/sessions/kivi_gluon_ring.patch || exit 1
+  timeout -s INT 120 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_ring_after_h200.jsonl" \
+    2>> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
+  paste -d' ' <(cut -c1-90 "$OUT/kivi_gluon_ring_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_ring_after_h200.jsonl")
+  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_ring.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_ring.log" | tail -6 ;;
 kivi_ncu)  # #20 (prepared 2026-12-04 fourteenth session): where the 2-bit Gluon KIVI decode waits (it issues ~42 % of the
   # time): one launch at 128K x 4 under ncu, warp states and the source-level stall sampling (~2 min)
   timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
