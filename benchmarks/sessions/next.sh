@@ -45,13 +45,14 @@
 # 420.6 / 360.8 tok/s: 2.21x) + test_mixed_cuda (8 passed) + kernel rows; the stage sweep (3 stages at 2 bits, caps
 # slower) + snapkv / snapkv+kivi at 128K x 4 (756.8 / 707.4); h2o / h2o+kivi through generate() at 32K x 1 (182.2 /
 # 173.1); the 3-stage decode tests (14 passed) + kernel rows; kivi_chains (two logits chains: 142.1 / 192.1 us at
-# 128K x 4, 10 bf16 decode tests passed). Device budget spent (1,564 of 1,800 s). Next: kivi_fp16 (prepared: the
-# Gluon kernel for fp16 models, sessions/kivi_gluon_fp16.patch, which also re-expresses the bf16 path's units:
-# run every KIVI GPU test with it); a full test_kivi_cuda run of the two-chain kernel (its CUDA-graph tests ran with
-# one chain); the engine decode points again (kivi2 / snapkv+kivi at 128K x 4 with the 3-stage, two-chain kernel);
-# an ncu source-level profile of the Gluon kernel (stall reasons: it issues ~42 % of the time at 2 bits); folding the
-# residual ring into the Gluon grid's last split (two launches instead of three at short lists); test_export_cuda
-# alone; #18 if the two-GPU kind is lent.
+# 128K x 4, 10 bf16 decode tests passed). Device budget spent (1,564 of 1,800 s). Prepared offline (each patch applies
+# alone on main; apply one, commit it, rebase the next): kivi_fp16 (the Gluon kernel for fp16 models,
+# sessions/kivi_gluon_fp16.patch; it also re-expresses the bf16 path's units: every KIVI GPU test with it), kivi_ring
+# (the residual ring as the Gluon grid's last split, sessions/kivi_gluon_ring.patch: two launches instead of three,
+# more registers: A/B at every point), kivi_small (programs an SM x min_groups at the single-sequence points),
+# kivi_ncu (stall reasons of the 2-bit kernel, which issues ~42 % of the time). Also next: a full test_kivi_cuda run
+# of the two-chain kernel (its CUDA-graph tests ran with one chain); the engine decode points again (kivi2 /
+# snapkv+kivi at 128K x 4 with the 3-stage, two-chain kernel); test_export_cuda alone; #18 if the two-GPU kind is lent.
 # 2026-12-04 thirteenth session: kivi_gluon (the Gluon probe: correct, 1.4x the Triton kernel), kivi_gluon2 (codes as
 # subnormal floats: 637 instructions a group, no faster; a wrong key factor found by the diagnosis, fixed),
 # kivi_gluon3 (a cp.async ring: 159.5 us at 128K x 4, 2.09x), kivi_gluon4 (the old value layout needs a shared-memory
