@@ -29,19 +29,16 @@ POINTERS = {"Q": "*bf16", "KC": "*u8", "KS": "*bf16", "KZ": "*bf16", "VC": "*u8"
 
 
 def compile_usage(bits: int, with_logits: bool) -> dict:
-    """Compile at the Llama-3.1-8B shape (8 KV heads, GQA 4, 33 splits) with the constexprs
-    :func:`.kivi_gluon.kivi_gluon_quantized` passes at ``bits`` (every other argument by its kind); the cubin's
-    registers and stack bytes (``{}`` without Triton's bundled cuobjdump)."""
+    """Compile at the Llama-3.1-8B shape (8 KV heads, GQA 4, 33 splits) with the launch's constexprs
+    (:func:`.kivi_gluon.launch_constants`; every other argument by its kind); the cubin's registers and stack bytes
+    (``{}`` without Triton's bundled cuobjdump)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     params = list(inspect.signature(kivi_gluon._kivi_gluon_kernel.fn).parameters)
-    shifts = [(32 * j // (128 * bits // 8)) * bits for j in range(4)]
-    consts = {"KV_HEADS": 8, "GROUP": 4, "NUM_SPLITS": 33, "QSPLITS": 32, "RING": 160, "BITS": bits,
-              "STAGES": kivi_gluon.KIVI_GLUON_CONFIG[bits]["stages"], "WRITE_LOGITS": with_logits,
-              **{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
-              **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
+    consts = {"KV_HEADS": 8, "GROUP": 4, "NUM_SPLITS": 33, "QSPLITS": 32, "RING": 160,
+              **kivi_gluon.launch_constants(bits, with_logits)}
     consts = {k: v for k, v in consts.items() if k in params}
     sig = {p: POINTERS.get(p) or ("constexpr" if p in consts else "fp32" if p == "qk_scale" else "i32")
            for p in params}

@@ -318,15 +318,21 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
     heads = kcode.shape[1]
     bits = storage_bits(kcode, dim)
     cfg = KIVI_GLUON_CONFIG[bits]
-    shifts = [(32 * j // (dim * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
-    lifts = {**{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
-             **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
     _kivi_gluon_kernel[(batch * heads, qsplits)](
         query, kcode.view(torch.uint8), kscale, kzero, vcode.view(torch.uint8), vscale, vzero, pos_pool, index,
         quantized, q_positions, mid_o, mid_lse, mid_lse if logits is None else logits,
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
         float(scale) * 1.4426950408889634, int(sliding_window), queries, 0 if logits is None else logits.shape[-1],
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
-        STAGES=cfg["stages"], BITS=bits, WRITE_LOGITS=logits is not None, **lifts, num_warps=1,
+        **launch_constants(bits, logits is not None), num_warps=1,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
+
+
+def launch_constants(bits: int, with_logits: bool) -> dict:
+    """The kernel's constexprs that depend on the bit width alone (the ring stages, the chunks' lifts ``U_j / L_j``)
+    and the logits switch; the shape's (heads, splits) are the launch's."""
+    shifts = [(32 * j // (128 * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
+    return {"STAGES": KIVI_GLUON_CONFIG[bits]["stages"], "BITS": bits, "WRITE_LOGITS": with_logits,
+            **{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
+            **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
