@@ -46,7 +46,8 @@
 # slower) + snapkv / snapkv+kivi at 128K x 4 (756.8 / 707.4); h2o / h2o+kivi through generate() at 32K x 1 (182.2 /
 # 173.1); the 3-stage decode tests (14 passed) + kernel rows; kivi_chains (two logits chains: 142.1 / 192.1 us at
 # 128K x 4, 10 bf16 decode tests passed). Device budget spent (1,564 of 1,800 s). Prepared offline (each patch applies
-# alone on main; apply one, commit it, rebase the next): kivi_fp16 (the Gluon kernel for fp16 models,
+# alone on main; apply one, commit it, rebase the next): kivi_pipe (the loop software-pipelined, keys of group g + 1
+# beside values of group g: the first to run, the 2-bit kernel issues ~42 % of the time), kivi_fp16 (the Gluon kernel for fp16 models,
 # sessions/kivi_gluon_fp16.patch; it also re-expresses the bf16 path's units: every KIVI GPU test with it), kivi_ring
 # (the residual ring as the Gluon grid's last split, sessions/kivi_gluon_ring.patch: two launches instead of three,
 # more registers: A/B at every point), kivi_small (programs an SM x min_groups at the single-sequence points),
@@ -621,6 +622,19 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon K
   echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
   timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
+kivi_pipe)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon KIVI decode software-pipelined
+  # (sessions/kivi_gluon_pipe.patch: iteration g takes group g's values with the probabilities of iteration g - 1
+  # and group g + 1's keys, two independent MMA sets; offline 168 registers at 2 bits against 158, still 12 programs
+  # an SM): the op before / after at every point, 3 and 4 stages, each against the reference; then the decode tests
+  # and the h2o graph test with it. The 2-bit kernel issues ~42 % of the time: this is the next lever. (~6 min)
+  timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py --stages 3,4 > "$OUT/kivi_gluon_pipe_before_h200.jsonl" \
+    2> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
+  patch -p1 < benchmarks/sessions/kivi_gluon_pipe.patch || exit 1
+  timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py --stages 3,4 > "$OUT/kivi_gluon_pipe_after_h200.jsonl" \
+    2>> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
+  paste -d' ' <(cut -c1-100 "$OUT/kivi_gluon_pipe_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_pipe_after_h200.jsonl")
+  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_pipe.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_pipe.log" | tail -6 ;;
 kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, not run): the residual ring as the Gluon grid's last split
   # (sessions/kivi_gluon_ring.patch: two launches instead of three; its full-precision tiles loaded straight into the
   # MMA operands; offline sm_90a 182 registers at 2 bits against 158, 186 at 4, 243 at 4 bits with logits, so 11
