@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .pool import gather_slots, launch_inputs, used_view_slots, visibility
-from .tiles import load_rows, query_rows, view_rows, visible
+from .tiles import FP_FUSION, load_rows, query_rows, view_rows, visible
 
 try:
     import triton
@@ -363,6 +363,7 @@ def attention_lse_triton(query: torch.Tensor, k_pool: torch.Tensor, pos_pool: to
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
         NUM_SPLITS=splits, IEEE=query.dtype == torch.float32, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **FP_FUSION,
     )
     return mid[..., 0] if splits == 1 else torch.logsumexp(mid, -1)
 
@@ -402,6 +403,7 @@ def attention_mass_triton(out: torch.Tensor, query: torch.Tensor, k_pool: torch.
         HEADS_OUT=group if target == TO_HEAD else 1, SKIP=cfg.get("skip", True) and rows > block_m,
         SUPER=cfg.get("super", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **FP_FUSION,
     )
 
 

@@ -30,6 +30,7 @@ import torch
 
 from .library import define_op
 from .slot_move import move_slots_reference, move_slots_triton
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -199,7 +200,7 @@ def evict_lowest_triton(pools: list[torch.Tensor], values: int, table: torch.Ten
         pools[values], pools[2], pools[0], pools[1], n0, n1, n2, table, counts.contiguous(), budget.contiguous(),
         recent.contiguous(), victims, first, width, table.stride(0), heads, pools[2].shape[2], block,
         ONE_TILE=block >= width, MOVE=move, NARROW=min(len(narrow), 3), ELEMS=elems,
-        BLOCK_E=triton.next_power_of_2(elems), num_warps=4 if block <= 1024 else 8)
+        BLOCK_E=triton.next_power_of_2(elems), num_warps=4 if block <= 1024 else 8, **FP_FUSION)
     if not move:
         tail = (counts.long() - 1)[:, None, None].expand(-1, heads, 1)
         move_slots_triton(pools, table, torch.where(victims >= 0, tail, -1), victims)

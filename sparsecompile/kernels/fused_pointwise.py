@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -96,7 +97,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if n:
         block = 2048
         _silu_mul_kernel[(triton.cdiv(n, block),)](gate.contiguous(), up.contiguous(), out, n, BLOCK=block,
-                                                   num_warps=8)
+                                                   num_warps=8, **FP_FUSION)
     return out
 
 

@@ -29,6 +29,7 @@ import torch
 from .attention_mass import SUM, TO_POOL, attention_lse_triton, attention_mass_reference, attention_mass_triton, triton
 from .library import define_op
 from .pool import view_slots
+from .tiles import FP_FUSION
 
 if triton is not None:
     import triton.language as tl
@@ -157,6 +158,7 @@ def h2o_accumulate_logits_triton(scores: torch.Tensor, logits: torch.Tensor, lse
         scores, logits, lse, index, lengths, index.stride(0), index.stride(1), lengths.stride(0), lengths.stride(1),
         span, 1.0 / group, KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, BLOCK=block_size,
         BLOCK_G=max(2, triton.next_power_of_2(group)), BLOCK_S=block_s, num_warps=4,
+        **FP_FUSION,
     )
 
 

@@ -35,6 +35,7 @@ import functools
 import torch
 
 from .kivi_quant import storage_bits
+from .tiles import FP_FUSION
 
 try:
     from triton.experimental import gluon
@@ -326,6 +327,7 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
         **launch_constants(bits, logits is not None), num_warps=1,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        **FP_FUSION,
     )
 
 

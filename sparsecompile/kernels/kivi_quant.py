@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -266,6 +267,7 @@ def kivi_quantize_triton(kcode, vcode, kscale, kzero, vscale, vzero, key, value,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         KV_HEADS=heads, PAGE=kcode.shape[2], G=group, D=dim, BITS=storage_bits(kcode, dim),
         SCALE_TY=_scale_type(kscale.dtype), num_warps=4,
+        **FP_FUSION,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -89,6 +90,7 @@ def kv_write_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool: torch.
         k_pool, v_pool, pos_pool, key, value, slots, positions,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         tokens, kv_heads, k_pool.shape[2], head_dim, triton.next_power_of_2(head_dim),
+        **FP_FUSION,
     )
 
 
@@ -195,6 +197,7 @@ def kv_write_bounds_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, pos_pool:
         k_pool, v_pool, pos_pool, kmin, kmax, key, value, slots.contiguous(), positions.contiguous(),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_heads, k_pool.shape[2], head_dim, triton.next_power_of_2(head_dim),
+        **FP_FUSION,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -95,6 +96,7 @@ def omnikv_scores_triton(query: torch.Tensor, k_pool: torch.Tensor, pages: torch
         KV_HEADS=kv_heads, GROUP=group, PAGE=page_size, HEAD_DIM=dim,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_S=block_s, IEEE=query.dtype == torch.float32, num_warps=4, num_stages=3,
+        **FP_FUSION,
     )
     return out
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .library import define_op
 from .pool import gather_slots, launch_inputs, used_view_slots, view_slots, visibility
-from .tiles import load_rows, natural_lse, query_rows, softmax_step, view_rows, visible
+from .tiles import FP_FUSION, load_rows, natural_lse, query_rows, softmax_step, view_rows, visible
 
 try:
     import triton
@@ -267,12 +267,14 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=query.dtype == torch.float32,
         WRITE_LSE=with_lse, WRITE_MAX=with_token_max, WRITE_LOGITS=with_logits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **FP_FUSION,
     )
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), queries,
             Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_lse,
+        **FP_FUSION,
         )
     if with_logits:
         return out, lse, logits

@@ -11,7 +11,7 @@ import os
 import torch
 
 from .pool import gather_slots, launch_inputs, used_view_slots
-from .tiles import load_rows, query_rows, view_rows
+from .tiles import FP_FUSION, load_rows, query_rows, view_rows
 
 try:
     import triton
@@ -193,5 +193,6 @@ def prefill_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         CAUSAL_SKIP=block_size == page_size, HAS_WINDOW=sliding_window > 0,
         IEEE=query.dtype == torch.float32 or _INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **FP_FUSION,
     )
     return out, lse

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -113,6 +114,7 @@ def quest_page_scores_triton(query: torch.Tensor, kmin: torch.Tensor, kmax: torc
         out.stride(0), out.stride(1), max_pages, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_P=block_p, IEEE=kmin.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **FP_FUSION,
     )
     return out
 

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -112,7 +113,7 @@ def move_slots_triton(pools: list[torch.Tensor], table: torch.Tensor, src: torch
         n0, n1, n2 = (group + [group[0]] * 2)[:3]
         _move_slots_kernel[(batch, kv_heads)](pools[0], pools[1], n0, n1, n2, table, src, dst, n, table.stride(0),
                                               first == 0, len(group), kv_heads, page_size, elems,
-                                              triton.next_power_of_2(elems))
+                                              triton.next_power_of_2(elems), **FP_FUSION)
 
 
 def _fake(pools, table, src, dst) -> None:

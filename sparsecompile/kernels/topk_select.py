@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .library import define_op
+from .tiles import FP_FUSION
 
 try:
     import triton
@@ -339,10 +340,10 @@ def topk_select_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, chunk:
     tiles = torch.empty(rows, chunks, 2, dtype=torch.int32, device=scores.device)
     grid = (rows, chunks)
     for p in range(4):
-        _radix_hist_kernel[grid](s, c, hist, s.stride(0), c.stride(0), rows, n, k, PASS=p, CHUNK=chunk)
-    _radix_count_kernel[grid](s, c, hist, tiles, s.stride(0), c.stride(0), rows, n, k, CHUNK=chunk)
+        _radix_hist_kernel[grid](s, c, hist, s.stride(0), c.stride(0), rows, n, k, PASS=p, CHUNK=chunk, **FP_FUSION)
+    _radix_count_kernel[grid](s, c, hist, tiles, s.stride(0), c.stride(0), rows, n, k, CHUNK=chunk, **FP_FUSION)
     _radix_write_kernel[grid](s, c, hist, tiles, out, s.stride(0), c.stride(0), out.stride(0), rows, n, k,
-                              CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)))
+                              CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), **FP_FUSION)
     return out.view(batch, heads, k)
 
 
@@ -378,6 +379,7 @@ def topk_select_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, max_t
         scores, counts, out, scores.stride(0), scores.stride(1), counts.stride(0), counts.stride(1),
         out.stride(0), out.stride(1), n, k, HEADS=heads, BLOCK=block, TAIL=max(tail, 16), HAS_TAIL=tail > 0,
         SEARCH=SEARCHES.index(search), num_warps=num_warps or (16 if block >= 16384 else 8 if block >= 4096 else 4),
+        **FP_FUSION,
     )
     return out
 
