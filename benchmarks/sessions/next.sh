@@ -622,19 +622,30 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon K
   echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
   timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
-kivi_pipe)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon KIVI decode software-pipelined
-  # (sessions/kivi_gluon_pipe.patch: iteration g takes group g's values with the probabilities of iteration g - 1
-  # and group g + 1's keys, two independent MMA sets; offline 168 registers at 2 bits against 158, still 12 programs
-  # an SM): the op before / after at every point, 3 and 4 stages, each against the reference; then the decode tests
-  # and the h2o graph test with it. The 2-bit kernel issues ~42 % of the time: this is the next lever. (~6 min)
-  timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py --stages 3,4 > "$OUT/kivi_gluon_pipe_before_h200.jsonl" \
-    2> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
-  patch -p1 < benchmarks/sessions/kivi_gluon_pipe.patch || exit 1
-  timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py --stages 3,4 > "$OUT/kivi_gluon_pipe_after_h200.jsonl" \
-    2>> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
-  paste -d' ' <(cut -c1-100 "$OUT/kivi_gluon_pipe_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_pipe_after_h200.jsonl")
-  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_pipe.log" 2>&1
-  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_pipe.log" | tail -6 ;;
+kivi_pipe)  # #20 (prepared 2026-12-04 fourteenth session, redone in the fifteenth, not run): two Gluon KIVI decode
+  # variants against the package kernel, each swept at 3 and 4 stages against the reference, at every point:
+  # sessions/kivi_gluon_lean.patch (int32 visibility compares, the 2^33 unit folded into the exp2's FMA, ring stages
+  # carried instead of modulos: offline 517 -> 494 loop instructions, 156 registers at 2 bits, 173 at 4 with logits)
+  # and sessions/kivi_gluon_pipe.patch (the same plus the software-pipelined loop: iteration g takes group g's values
+  # with the probabilities of g - 1 beside group g + 1's keys, two independent MMA sets; 514 instructions, 165
+  # registers at 2 bits, 194 at 4 bits with logits, over the compile test's 192); then the decode tests with the
+  # faster one. The 2-bit kernel issues ~42 % of the time: latency per warp is the lever. (~8 min)
+  for v in before lean pipe; do
+    git checkout -q sparsecompile/kernels/kivi_gluon.py
+    [ "$v" = before ] || patch -p1 --no-backup-if-mismatch < "benchmarks/sessions/kivi_gluon_$v.patch" || exit 1
+    timeout -s INT 110 python3 benchmarks/sessions/kivi_gluon_sweep.py --stages 3,4 > "$OUT/kivi_gluon_${v}_h200.jsonl" \
+      2>> "$OUT/sweep.err"; echo "$v rc=$?"; tail -1 "$OUT/sweep.err"
+  done
+  paste -d' ' <(cut -c1-100 "$OUT/kivi_gluon_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_lean_h200.jsonl") \
+    <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_pipe_h200.jsonl")
+  best=$(python3 -c "
+import json, sys
+t = {v: sum(json.loads(l)['us'] for l in open(f'$OUT/kivi_gluon_{v}_h200.jsonl') if '\"us\"' in l) for v in ('lean', 'pipe')}
+print(min(t, key=t.get))" 2>/dev/null || echo lean)
+  git checkout -q sparsecompile/kernels/kivi_gluon.py && patch -p1 --no-backup-if-mismatch < "benchmarks/sessions/kivi_gluon_$best.patch"
+  echo "tests with $best"
+  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_$best.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_$best.log" | tail -6 ;;
 kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, not run): the residual ring as the Gluon grid's last split
   # (sessions/kivi_gluon_ring.patch: two launches instead of three; its full-precision tiles loaded straight into the
   # MMA operands; offline sm_90a 182 registers at 2 bits against 158, 186 at 4, 243 at 4 bits with logits, so 11

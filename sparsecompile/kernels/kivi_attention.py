@@ -408,7 +408,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
         ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6], VSM3=asm[7],
         WRITE_LOGITS=with_logits, RESIDUAL_ONLY=gluon, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM,
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
         **FP_FUSION,
     )
     if splits > 1:
@@ -416,7 +416,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), queries,
             Q_HEADS=q_heads, HEAD_DIM=dim, BLOCK_D=dim, NUM_SPLITS=splits,
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_logits,
-        **FP_FUSION,
+            **FP_FUSION,
         )
     return (out, lse, logits) if with_logits else out
 

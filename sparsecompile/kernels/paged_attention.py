@@ -274,7 +274,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), queries,
             Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=with_lse,
-        **FP_FUSION,
+            **FP_FUSION,
         )
     if with_logits:
         return out, lse, logits
