@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import sparsecompile
 from sparsecompile import LLM, SamplingParams
 from sparsecompile.methods.kvzip import KVzipRuntime
+from sparsecompile.models.hf_patch import cache_argument_name
 
 REPEAT, CONTINUE = [7, 8, 9], [10, 11]
 OPTIONS = dict(chunk=16, lead_in=3, sinks=2, repeat_ids=REPEAT, continue_ids=CONTINUE, page_size=4,
@@ -35,13 +36,14 @@ def reference_scores(model, context: list[int], chunk: int, lead_in: int, sinks:
     out[..., :sinks] = math.inf
     with torch.no_grad():
         cache = DynamicCache(config=config)
-        model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+        name = cache_argument_name(model)  # past_key_values is deprecated in transformers 5.25, gone in 5.40
+        model(input_ids=torch.tensor([context]), use_cache=True, **{name: cache})
         for j, lo in enumerate(range(0, n, chunk)):
             hi = min(n, lo + chunk)
             lead = REPEAT if j == 0 else CONTINUE + context[lo - lead_in:lo]
             ids = torch.tensor([lead + context[lo:hi]])
             q_len = ids.shape[1]
-            result = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            result = model(input_ids=ids, use_cache=True, output_hidden_states=True, **{name: cache})
             positions = torch.arange(n, n + q_len)[None]
             for layer in range(layers):
                 block = model.model.layers[layer]
