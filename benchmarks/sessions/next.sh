@@ -625,7 +625,8 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon K
 kivi_pipe)  # #20 (prepared 2026-12-04 fourteenth session, redone in the fifteenth, not run): two Gluon KIVI decode
   # variants against the package kernel, each swept at 3 and 4 stages against the reference, at every point:
   # sessions/kivi_gluon_lean.patch (int32 visibility compares, the 2^33 unit folded into the exp2's FMA, ring stages
-  # carried instead of modulos: offline 517 -> 494 loop instructions, 156 registers at 2 bits, 173 at 4 with logits)
+  # carried instead of modulos: offline 517 -> 494 loop instructions, 156 registers at 2 bits, 173 at 4 with logits;
+  # and the probabilities' lift 2^80 instead of 2^100, so the zero-share sums cannot overflow fp32)
   # and sessions/kivi_gluon_pipe.patch (the same plus the software-pipelined loop: iteration g takes group g's values
   # with the probabilities of g - 1 beside group g + 1's keys, two independent MMA sets; 514 instructions, 165
   # registers at 2 bits, 194 at 4 bits with logits, over the compile test's 192); then the decode tests with the
