@@ -113,6 +113,11 @@ class KiviStorage:
         for ring in (self.ring_k, self.ring_v):  # indexed by row, not page: their size changes with max_seqs only
             static_address(ring)
 
+    @property
+    def held_rows(self) -> tuple[int, ...]:
+        """Rows whose prompt is held in full precision past its step (:meth:`hold`) until :meth:`release_held`."""
+        return tuple(self._held_rows)
+
     def page_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.kcode, self.vcode, self.kscale, self.kzero, self.vscale, self.vzero)
 

@@ -59,15 +59,19 @@ def fingerprint(controller: SparseController, model_name: str = "") -> int:
     return xxhash.xxh3_64_intdigest(repr(desc).encode())
 
 
+#: Why a method that does not keep every token as written has no prefix cache.
+_NOT_SHARED = "rewrites its pages as it runs (eviction, or kivi's quantization of the tokens that leave its residual)"
+
+
 class KVReuse:
     """See module docstring. ``prefix_caching`` needs a method that keeps every token."""
 
     def __init__(self, controller: SparseController, fingerprint: int, *, prefix_caching: bool = False,
                  max_idle_chains: int = 64) -> None:
         if prefix_caching and not controller.runtime.keeps_all_tokens:
-            raise ValueError(f"enable_prefix_caching needs a method that keeps every token (vanilla, quest, omnikv); "
-                             f"{controller.runtime.name} evicts, so its pages cannot be shared by prefix: pass a "
-                             "chain_id per conversation instead (chain cache)")
+            raise ValueError(f"enable_prefix_caching needs a method that keeps every token as written (vanilla, quest, "
+                             f"omnikv); {controller.runtime.name} {_NOT_SHARED}, so its pages cannot be shared by "
+                             "prefix: pass a chain_id per conversation instead (chain cache)")
         self.controller = controller
         self.manager = controller.manager
         self.fingerprint = fingerprint
@@ -82,7 +86,7 @@ class KVReuse:
         """Turn the prefix cache on or off while nothing runs (benchmarks compare both on one engine); its idle blocks
         are freed."""
         if enabled and not self.controller.runtime.keeps_all_tokens:
-            raise ValueError(f"{self.controller.runtime.name} evicts: it has no prefix cache (use chains)")
+            raise ValueError(f"{self.controller.runtime.name} {_NOT_SHARED}: it has no prefix cache (use chains)")
         if self.prefix is not None:
             if self.prefix.idle_pages != self.prefix.num_layers * len(self.prefix.blocks):
                 raise RuntimeError("prefix blocks are in use; switch the prefix cache only while nothing runs")
