@@ -85,25 +85,24 @@ def kivi_state(controller, row, layer):
     return count, k[0], v[0], pos[0]
 
 
+def kivi_floats(k, v, spec):
+    """Independent KIVI of one head list's full-precision ``k, v [n, D]`` (slot order): quantized group by group up
+    to Q(n) with the formulas, the rest in full precision."""
+    kk, vv = k.clone(), v.clone()
+    for g in range(0, int(spec.quantized(k.shape[0])), spec.group_size):
+        codes, scale, zero = kq.quantize_keys(k[g:g + spec.group_size], spec.bits, spec.scale_dtype)
+        kk[g:g + spec.group_size] = kq.dequantize_keys(codes, scale, zero)
+        codes, scale, zero = kq.quantize_values(v[g:g + spec.group_size], spec.bits, spec.scale_dtype,
+                                                spec.group_size)
+        vv[g:g + spec.group_size] = kq.dequantize_values(codes, scale, zero)
+    return kk, vv
+
+
 def expected_state(model, spec, layer, positions):
-    """Independent KIVI of one head list: the tokens at ``positions [H, n]`` (slot order), quantized group by group
-    up to Q(n) with the formulas, the rest in full precision."""
-    n = positions.shape[1]
-    q = int(spec.quantized(n))
-    keys, values = [], []
-    for h in range(KV_HEADS):
-        k = model.keys[layer, h, positions[h]]
-        v = model.values[layer, h, positions[h]]
-        kk, vv = k.clone(), v.clone()
-        for g in range(0, q, spec.group_size):
-            codes, scale, zero = kq.quantize_keys(k[g:g + spec.group_size], spec.bits, spec.scale_dtype)
-            kk[g:g + spec.group_size] = kq.dequantize_keys(codes, scale, zero)
-            codes, scale, zero = kq.quantize_values(v[g:g + spec.group_size], spec.bits, spec.scale_dtype,
-                                                    spec.group_size)
-            vv[g:g + spec.group_size] = kq.dequantize_values(codes, scale, zero)
-        keys.append(kk)
-        values.append(vv)
-    return torch.stack(keys), torch.stack(values)
+    """:func:`kivi_floats` of every head's tokens at ``positions [H, n]``."""
+    pairs = [kivi_floats(model.keys[layer, h, positions[h]], model.values[layer, h, positions[h]], spec)
+             for h in range(KV_HEADS)]
+    return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
