@@ -264,3 +264,42 @@ def test_serving_evicts_groups_like_generate(monkeypatch):
     assert any(n < rows for n, rows in batches)  # some steps evicted for part of the batch only
     sparsecompile.optimize(reference, "h2o+kivi", prefill_chunk_size=64, **options)
     assert outs == reference_tokens(reference, prompts, new)
+
+
+def test_a_row_freed_between_chunks_leaves_nothing_held():
+    """A prompt aborted between its chunks leaves no held full-precision buffer (they were kept past the row's
+    release: memory leaked, and a fork landing on the freed row later read them as its own history, so the fork's
+    second prompt decoded other tokens): the continuation equals the same one on an engine that never saw the abort."""
+    from test_llm import DigitTokenizer
+    from tiny_models import tiny_pair
+
+    from sparsecompile import LLM, SamplingParams
+
+    def continuation(abort_first: bool) -> list[int]:
+        _, model = tiny_pair()
+        llm = LLM(model, "h2o+kivi", tokenizer=DigitTokenizer(), num_pages=80, max_model_len=80, max_num_seqs=3,
+                  max_num_batched_tokens=16, page_size=4, prefill_chunk_size=8, budget=24, residual=8, group_size=4)
+        engine = llm.llm_engine
+
+        def finish() -> dict:
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+            return done
+
+        greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)  # noqa: E731
+        engine.add_request("b", [5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37], greedy(6), chain_id="b")
+        b = finish()["b"]
+        if abort_first:
+            engine.add_request("a", list(range(40, 77)), greedy(4))  # five chunks
+            engine.step()  # the first: its buffer is held for the next
+            assert engine.manager.storage.held_rows
+            engine.abort_request("a")
+            finish()
+            assert not engine.manager.storage.held_rows
+        engine.fork_chain("b", "b2")  # the fork takes the freed row
+        history = list(b.prompt_token_ids) + b.outputs[0].token_ids
+        engine.add_request("c", history + [41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83], greedy(8), chain_id="b2")
+        return finish()["c"].outputs[0].token_ids
+
+    assert continuation(True) == continuation(False)

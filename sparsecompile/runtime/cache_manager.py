@@ -226,6 +226,8 @@ class CacheManager(SharedPages, SlotAccess):
         self._check_row(row)
         # one call for every layer: atomic (a bad page raises before anything is freed) and one vectorised pass
         self.allocator.free(self._held_pages([row] * self.layout.num_layers, range(self.layout.num_layers))[0])
+        if self.storage is not None:  # what the storage keeps per row outside the pages (KIVI's held prompts)
+            self.storage.on_release(row)
         self._owned[row] = 0
         self._host_lengths[row] = 0
         self._host_table[row] = 0

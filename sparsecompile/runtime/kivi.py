@@ -164,6 +164,12 @@ class KiviStorage:
         self.ring_k[new * L:(new + 1) * L] = self.ring_k[row * L:(row + 1) * L]
         self.ring_v[new * L:(new + 1) * L] = self.ring_v[row * L:(row + 1) * L]
 
+    def on_release(self, row: int) -> None:
+        """The row is freed (finished, aborted or preempted, possibly between its prompt's chunks): drop its held
+        full-precision buffers, which would otherwise stay allocated and, once the row id is reused (a fork, a new
+        prompt), stand in for the new sequence's history."""
+        self._forget_held([row])
+
     def on_truncate(self, row: int, layer: int, old: int, new: int) -> None:
         """Keep the ring holding ``[Q(new), new)``: slots that were quantized go back to it (dequantized), except in a
         deferred step, whose commit rewrites everything it keeps."""
