@@ -328,3 +328,42 @@ def test_engine_random_run_leaks_nothing(method: str, options: dict, seed: int) 
     assert engine.stats().free_pages == m.num_pages
     assert set(m.live_rows) <= {engine.controller._pad_row}  # the decode padding row (compiled decode) holds nothing
     assert m.storage is None or not m.storage.held_rows
+
+
+@pytest.mark.parametrize("method, options", [("kvzip", {"budget": 24}),
+                                             ("h2o+kivi", {"budget": 24, "residual": 8, "group_size": 4})])
+def test_a_row_freed_mid_prompt_leaves_nothing_to_its_next_owner(method: str, options: dict) -> None:
+    """A prompt aborted between its chunks (engine steps) leaves no per-row state behind: KVzip kept its prompt's
+    ids for the re-read, h2o+kivi its full-precision chunks (memory held past the row, ~4 GiB for a 32K prompt on
+    the 8B shape). A fork that later took the freed row id inherited them, and the fork's next prompt decoded other
+    tokens. Its continuation must equal the same one on an engine that never saw the abort."""
+
+    def continuation(abort_first: bool) -> list[int]:
+        _, model = tiny_pair()
+        llm = LLM(model, method, tokenizer=DigitTokenizer(), num_pages=80, max_model_len=80, max_num_seqs=3,
+                  max_num_batched_tokens=16, page_size=4, prefill_chunk_size=8, **options)
+        engine = llm.llm_engine
+        storage = engine.manager.storage
+
+        def finish() -> dict:
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+            return done
+
+        greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)  # noqa: E731
+        engine.add_request("b", [5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37], greedy(6), chain_id="b")
+        b = finish()["b"]
+        if abort_first:
+            engine.add_request("a", list(range(40, 77)), greedy(4))  # five chunks
+            engine.step()  # the first
+            assert storage is None or storage.held_rows  # h2o+kivi: held for the next chunk
+            engine.abort_request("a")
+            finish()
+            assert storage is None or not storage.held_rows
+        engine.fork_chain("b", "b2")  # the fork takes the freed row
+        history = list(b.prompt_token_ids) + b.outputs[0].token_ids
+        engine.add_request("c", history + [41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83], greedy(8), chain_id="b2")
+        return finish()["c"].outputs[0].token_ids
+
+    assert continuation(True) == continuation(False)

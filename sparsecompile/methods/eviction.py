@@ -297,6 +297,9 @@ class EvictionRuntime(SparseMethod):
     def reset_rows(self, rows: list[int]) -> None:
         """Forget per-row method state of rows that start a new sequence (host)."""
 
+    def release_rows(self, manager: CacheManager, rows: list[int]) -> None:
+        self.reset_rows(rows)
+
     def rewrites_resident(self, manager: CacheManager, step: StepState) -> np.ndarray:
         return (self._targets < self._counts).any(axis=1)  # compaction or eviction moves resident slots
 

@@ -180,6 +180,11 @@ class SparseMethod:
     def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
         """``forks[i]`` now holds the pages of ``sources[i]``: copy per-row method state (host and device)."""
 
+    def release_rows(self, manager: CacheManager, rows: list[int]) -> None:
+        """``rows`` were freed (finished, aborted or preempted, possibly between two chunks of a prompt): forget their
+        per-row host state. Row ids are reused, and a fork that lands on one continues with its source's state only,
+        so state a freed row kept would become a later sequence's."""
+
     def on_truncate(self, manager: CacheManager, rows: list[int]) -> None:
         """``rows`` were cropped to fewer slots (only for ``keeps_all_tokens`` methods): fix per-row state and
         metadata that covered the removed slots."""

@@ -102,6 +102,7 @@ class RowOperations:
         if self.manager is None:
             return
         live = set(self.manager.live_rows)
-        for row in rows:
-            if row in live:
-                self.manager.release_sequence(row)
+        freed = [row for row in rows if row in live]
+        for row in freed:
+            self.manager.release_sequence(row)
+        self.runtime.release_rows(self.manager, freed)
