@@ -39,6 +39,12 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-04 fifteenth session: no device lent (paused). Prepared: kivi_pipe now measures three kernels in one call
+# (the package's, sessions/kivi_gluon_lean.patch: int32 visibility, the 2^33 unit in the exp2's FMA, stages carried,
+# the probabilities lifted by 2^80 instead of 2^100; sessions/kivi_gluon_pipe.patch: lean + the software-pipelined
+# loop), then the decode tests with the faster; every patch rebased on FP_FUSION (each applies alone on main). Run
+# first next time: kivi_pipe, then a full test_kivi_cuda + kivi_bench points (kivi2 / snapkv+kivi at 128K x 4)
+# with whatever kivi_pipe kept, kivi_ncu, then verify (every GPU test: FP_FUSION touched every launch).
 # 2026-12-04 fourteenth session: kivi_sums (h2o+kivi's logits from the Gluon kernel and its zero shares / softmax sum
 # by one MMA a group: 22 GPU KIVI tests passed; 2-bit 153.4 us at 128K x 4, logits 79.7 us at 2,080 x 64 against the
 # Triton kernel's 141.2; launch sweep), then by hand: kivi_bench points vanilla / kivi2 / kivi4 at 128K x 4 (190.3 /
