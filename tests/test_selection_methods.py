@@ -268,6 +268,31 @@ def test_omnikv_sparse_layers_read_the_filter_set_plus_decode_tokens():
 # ------------------------------------------------------------------ statistics and memory
 @pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, dense_below=0)),
                                             ("omnikv", dict(budget=3, filter_layers="1", dense_below=0))])
+def test_tokens_read_follow_forks_and_freed_rows(method, options):
+    """A fork read what its source read in its last step; a freed row id taken by a fork of a cache that never
+    decoded reports nothing read, not its previous owner's count (it did before 2026-12-04, fifteenth session)."""
+    _, model = tiny_pair("qwen2", seed=4, num_hidden_layers=3)
+    sparsecompile.optimize(model, method, page_size=4, **options)
+    ids, mask = left_padded_batch((13, 9, 5))
+    decoded = _cache(model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY))
+    prompt_only = _cache(model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True,
+                                        max_new_tokens=1, do_sample=False))
+    read = [layer.tokens_read for layer in sparsecompile.kv_stats(decoded).layers]
+    assert all(n is not None for n in read)
+    fork = decoded.fork()
+    assert [layer.tokens_read for layer in sparsecompile.kv_stats(fork).layers] == read
+    freed = set(decoded.rows) | set(fork.rows)
+    decoded.release()
+    fork.release()
+    again = prompt_only.fork()
+    assert set(again.rows) <= freed  # the freed row ids, reused
+    assert all(layer.tokens_read is None for layer in sparsecompile.kv_stats(again).layers)
+    for cache in (prompt_only, again):
+        cache.release()
+
+
+@pytest.mark.parametrize("method,options", [("quest", dict(budget=8, dense_layers=1, dense_below=0)),
+                                            ("omnikv", dict(budget=3, filter_layers="1", dense_below=0))])
 def test_tokens_read_reported_next_to_resident(method, options):
     _, model = tiny_pair("qwen2", seed=4, num_hidden_layers=3)
     sparsecompile.optimize(model, method, page_size=4, **options)

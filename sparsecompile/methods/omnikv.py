@@ -52,7 +52,7 @@ from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import Selection, SlotSelection
 from .dense_read import DenseReadOfShortBatches, dense_below_option, validate_dense_below
-from .read_stats import ReadCounter, copy_rows, grow_rows
+from .read_stats import CountsReads, ReadCounter, copy_rows, grow_rows
 from .registry import register_method
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class OmniKVMemoryOracle(DenseMemoryOracle):
 
 
 @register_method
-class OmniKVRuntime(DenseReadOfShortBatches, SparseMethod):
+class OmniKVRuntime(CountsReads, DenseReadOfShortBatches, SparseMethod):
     name = "omnikv"
     config_class = OmniKVConfig
     replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)
@@ -184,6 +184,7 @@ class OmniKVRuntime(DenseReadOfShortBatches, SparseMethod):
         self.count[to_device(rows, self.count.device)] = 0
 
     def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        super().fork_rows(manager, sources, forks)
         self._ensure_buffers(manager)
         copy_rows([self.prompt, self.count, self.selected], sources, forks)
 

@@ -48,7 +48,7 @@ from ..runtime.host import to_device
 from ..runtime.memory_oracle import DenseMemoryOracle
 from ..runtime.view import PageSelection, Selection
 from .dense_read import DenseReadOfShortBatches, dense_below_option, validate_dense_below
-from .read_stats import ReadCounter
+from .read_stats import CountsReads, ReadCounter
 from .registry import register_method
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class QuestMemoryOracle(DenseMemoryOracle):
 
 
 @register_method
-class QuestRuntime(DenseReadOfShortBatches, SparseMethod):
+class QuestRuntime(CountsReads, DenseReadOfShortBatches, SparseMethod):
     name = "quest"
     config_class = QuestConfig
     replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)

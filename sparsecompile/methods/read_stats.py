@@ -71,6 +71,21 @@ class ReadCounter:
             return
         self.read[ctx.step.rows, ctx.layer] = ctx.view.lengths.sum(dim=1).to(torch.int64)
 
+    def fork(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        """``forks[i]`` holds what ``sources[i]`` holds: it read what its source read in its last step."""
+        if self.read is not None:  # (the pool may have grown since the last step)
+            layout = manager.layout
+            self.read = grow_rows(self.read, manager.max_seqs, (layout.num_layers,), torch.int64, layout.device)
+        copy_rows([self.read], sources, forks)
+        for source, fork in zip(sources, forks):
+            for rows in (self._decoded, self._dense):
+                (rows.add if source in rows else rows.discard)(fork)
+
+    def forget(self, rows: list[int]) -> None:
+        """Freed rows (their ids are reused): nothing read."""
+        self._decoded.difference_update(rows)
+        self._dense.difference_update(rows)
+
     def collect(self, manager: CacheManager, rows: list[int]) -> dict[int, int] | None:
         """Per layer, slots the last decode step read over ``rows`` (host sync), or None before any decode."""
         decoded = [row for row in rows if row in self._decoded]
@@ -84,3 +99,19 @@ class ReadCounter:
         if dense:  # every resident slot of every KV head
             per_layer += manager.slot_count_array(dense).sum(axis=0) * manager.layout.num_kv_heads
         return dict(enumerate(int(n) for n in per_layer))
+
+
+class CountsReads:
+    """Mixed into a runtime that owns ``self.reads`` (:class:`ReadCounter`), before the runtime's other bases: a fork
+    read what its source read, a freed row nothing (row ids are reused)."""
+
+    reads: ReadCounter
+
+    def fork_rows(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
+        super().fork_rows(manager, sources, forks)
+        self.reads.fork(manager, sources, forks)
+
+    def release_rows(self, manager: CacheManager, rows: list[int]) -> None:
+        super().release_rows(manager, rows)
+        self.reads.forget(rows)
+
