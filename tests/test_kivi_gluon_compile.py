@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from sparsecompile.kernels import kivi_gluon
+from sparsecompile.kernels.tiles import FP_FUSION
 
 if kivi_gluon.gluon is None:
     pytest.skip("a Triton without Gluon", allow_module_level=True)
@@ -44,7 +45,7 @@ def compile_usage(bits: int, with_logits: bool) -> dict:
            for p in params}
     aligned = {(params.index(p),): [["tt.divisibility", 16]] for p in POINTERS if p in params}
     src = GluonASTSource(kivi_gluon._kivi_gluon_kernel, sig, consts, aligned)
-    options = {"num_warps": 1, "num_stages": 1, **kivi_gluon.FP_FUSION}  # as the launch
+    options = {"num_warps": 1, "num_stages": 1, **FP_FUSION}  # as the launch
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.asm["cubin"], "no cubin"
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"

@@ -114,4 +114,3 @@ class CountsReads:
     def release_rows(self, manager: CacheManager, rows: list[int]) -> None:
         super().release_rows(manager, rows)
         self.reads.forget(rows)
-
