@@ -25,3 +25,22 @@ DENSE_EQUIVALENT = {
     # the group eviction's floor is the residual plus one group (64 + 16)
     "h2o+kivi": {"budget": 80, "residual": 64, "group_size": 16},
 }
+
+# method name -> options under which the method drops or quantizes at the tiny-model tests' lengths (prompts of
+# 20-40 tokens, prefill chunks of 8): results differ from dense, but a row's must not depend on the rest of its batch
+COMPRESSING = {
+    "vanilla": {},
+    "quest": {"budget": 8, "dense_layers": 0, "dense_below": 0},
+    "omnikv": {"budget": 8, "filter_layers": "0", "dense_below": 0},
+    "streamingllm": {"budget": 12, "sinks": 2},
+    "snapkv": {"budget": 12, "window": 4},
+    "pyramidkv": {"budget": 12, "window": 4},
+    "h2o": {"budget": 12, "recent": 4},
+    "kvzip": {"budget": 12},
+    "kivi": {"bits": 2, "residual": 8, "group_size": 4},
+    "snapkv+kivi": {"budget": 16, "window": 2, "bits": 2, "residual": 8, "group_size": 4},
+    "pyramidkv+kivi": {"budget": 16, "window": 2, "bits": 2, "residual": 8, "group_size": 4},
+    "streamingllm+kivi": {"budget": 16, "sinks": 1, "bits": 2, "residual": 8, "group_size": 4},
+    "h2o+kivi": {"budget": 16, "recent": 4, "bits": 2, "residual": 8, "group_size": 4},
+    "kvzip+kivi": {"budget": 16, "bits": 2, "residual": 8, "group_size": 4},
+}

@@ -25,13 +25,14 @@ TOL = 1e-5
 
 # ---------------------------------------------------------------------------------------------- helpers
 def capture(model) -> list[tuple]:
-    """Record ``(layer, positions, query, key, is_prefill)`` of every attention call of a patched model."""
+    """Record ``(layer, row ids, positions, query, key, is_prefill)`` of every attention call of a patched model."""
     controller = patched_model(model).controller
     calls, attend = [], controller.attend
 
     def recording(layer, query, key, value, scale, window):
         step = controller.step
-        calls.append((layer, step.positions.clone(), query.clone(), key.clone(), step.is_prefill))
+        calls.append((layer, list(step.row_ids), step.positions.clone(), query.clone(), key.clone(),
+                      step.is_prefill))
         return attend(layer, query, key, value, scale, window)
 
     controller.attend = recording
@@ -39,15 +40,18 @@ def capture(model) -> list[tuple]:
 
 
 def tokens_of(calls, row: int, layer: int, prefill_only: bool = True):
-    """One row's tokens at a layer: positions ``[n]``, queries ``[q_heads, n, d]``, keys ``[kv_heads, n, d]``."""
+    """One row's tokens at a layer: positions ``[n]``, queries ``[q_heads, n, d]``, keys ``[kv_heads, n, d]`` (the
+    first generate() of a fresh model: batch row ``i`` is cache row ``i``; a chunk of a padded batch may hold only
+    some of the rows)."""
     pos, qs, ks = [], [], []
-    for lay, positions, q, k, prefill in calls:
-        if lay != layer or (prefill_only and not prefill):
+    for lay, rows, positions, q, k, prefill in calls:
+        if lay != layer or (prefill_only and not prefill) or row not in rows:
             continue
-        ok = positions[row] >= 0
-        pos.append(positions[row][ok])
-        qs.append(q[row][:, ok])
-        ks.append(k[row][:, ok])
+        i = rows.index(row)
+        ok = positions[i] >= 0
+        pos.append(positions[i][ok])
+        qs.append(q[i][:, ok])
+        ks.append(k[i][:, ok])
     return torch.cat(pos), torch.cat(qs, 1), torch.cat(ks, 1)
 
 
@@ -306,15 +310,18 @@ def _simulate_h2o(calls, history, layer, row, head, budget, recent, interval):
     query group) over the resident visible keys, evict to ``recent`` newest + top scores; compare every step."""
     resident: dict[int, tuple[torch.Tensor, float]] = {}  # position -> (key, score)
     layer_calls = [c for c in calls if c[0] == layer]
-    for step, (_, positions, q, k, prefill) in enumerate(layer_calls):
-        ok = positions[row] >= 0
-        qpos = positions[row][ok]
-        q_rows = q[row][:, ok]  # [q_heads, t, d]
+    for step, (_, rows, positions, q, k, prefill) in enumerate(layer_calls):
+        if row not in rows:  # a chunk of a padded batch without this row's tokens
+            continue
+        i = rows.index(row)
+        ok = positions[i] >= 0
+        qpos = positions[i][ok]
+        q_rows = q[i][:, ok]  # [q_heads, t, d]
         group = q_rows.shape[0] // k.shape[1]
-        for p, key in zip(qpos.tolist(), k[row, head][ok]):
+        for p, key in zip(qpos.tolist(), k[i, head][ok]):
             resident[p] = (key, 0.0)
         if not resident:  # left padding: nothing of this row yet
-            assert history[step][layer][row][head] == set()
+            assert history[step][layer][i][head] == set()
             continue
         order = sorted(resident)
         keys = torch.stack([resident[p][0] for p in order]).float()
@@ -325,7 +332,7 @@ def _simulate_h2o(calls, history, layer, row, head, budget, recent, interval):
             for r, pr in zip(order, probs.tolist()):
                 resident[r] = (resident[r][0], resident[r][1] + pr)
         over = len(resident) > budget if prefill else len(resident) >= budget + interval
-        got = history[step][layer][row][head]
+        got = history[step][layer][i][head]
         if over:
             newest = set(order[-recent:])
             older = [r for r in order if r not in newest]

@@ -191,10 +191,12 @@ class KVzipRuntime(EvictionRuntime):
         counts = manager.slot_count_array(rows)
         by_chunk: dict[int, list[tuple[int, list[int], int, int, int]]] = {}
         self._scoring = []
+        scored = np.ones(self.model.num_layers, dtype=bool)
+        scored[sorted(self._sliding)] = False  # a sliding-window layer is kept whole (all of them: nothing to score)
         for i, row in enumerate(rows):
             first, ids = self._prompt.pop(row, (0, []))
             budgets = np.asarray(self.layer_budgets(int(self._seen[row])))
-            if not ids or (counts[i] <= budgets).all():
+            if not ids or (counts[i][scored] <= budgets[scored]).all():
                 continue  # fits its budget: kept whole, nothing to score
             self._scoring.append(row)
             end, size = first + len(ids), self.config.chunk

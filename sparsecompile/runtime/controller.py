@@ -31,6 +31,7 @@ from .compilation import allow_recompiles, compile_notice, compile_step, static_
 from .contract import LayerContext, PrefillMode, Scorer, SparseMethod
 from .mixed import MixedForward, MixedStep
 from .mixed_graphs import CudaGraphRecorder, MixedReplays, Recorder
+from .prompt_chunks import PromptChunk, place_logits, prompt_chunks
 from .row_ops import RowOperations, capacity_bucket, table_width
 from .step import StepState, valid_tokens
 
@@ -257,44 +258,58 @@ class SparseController(RowOperations, MixedForward):
                 inputs_embeds: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor,
                 logits_to_keep: int, progress: Callable[[int], None] | None = None,
                 final: bool | list[bool] = True) -> torch.Tensor:
-        """Run prompt tokens ``[batch, tokens]`` in chunks; returns ``inner``'s logits for the kept positions.
+        """Run prompt tokens ``[batch, tokens]`` in chunks; returns ``inner``'s logits for the kept positions. The
+        rows of a padded batch are cut from their own first token, as each would be alone (``prompt_chunks``).
 
         ``final`` (per row, or one for all): False when more prompt tokens of that row follow in a later call (the
         serving scheduler feeds a prompt in chunks across engine steps, several prompts' chunks in one forward), so
         the last chunk here does not end its prompt.
         """
         finals = list(final) if isinstance(final, (list, tuple)) else [bool(final)] * len(rows)
-        tokens = positions.shape[1]
-        chunk = self.prefill_chunk or tokens
-        outputs = []
+        batch, tokens = positions.shape
         if self.runtime.needs_prompt_tokens and input_ids is None:
             raise ValueError(f"{self.runtime.name} re-reads the prompt's token ids: pass input_ids, not inputs_embeds")
         # the host's copies, read once: a device-to-host read per chunk would wait for the previous chunk's kernels,
         # and the GPU would then idle while the host books the next chunk (h2o's 8192-token chunks at 32K)
         valid_host, positions_host = valid.cpu(), positions.cpu()
         ids_host = input_ids.cpu() if self.runtime.needs_prompt_tokens else None
-        for start in range(0, tokens, chunk):
-            stop = min(tokens, start + chunk)
-            last = stop == tokens
-            step = StepState.build(rows, valid_host[:, start:stop], positions_host[:, start:stop], is_prefill=True,
-                                   is_last_chunk=[last and f for f in finals], device=self.layout.device)
-            if self.runtime.needs_prompt_tokens:
-                step.prompt_tokens = valid_tokens(ids_host[:, start:stop], valid_host[:, start:stop],
-                                                   positions_host[:, start:stop])
-            keep = logits_to_keep if last else (0 if logits_to_keep == 0 else 1)
-            self._begin(step)
-            step.slot_plan = self.manager.slot_plan(step)
-            logits = self._run(inner, step, input_ids=None if input_ids is None else input_ids[:, start:stop],
-                               inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
-                               position_ids=positions[:, start:stop], logits_to_keep=keep)
-            self._end(step)
-            if step.is_last_chunk:
-                self._after_prompts(inner, [r for r, done in zip(rows, step.ends_prompt) if done])
-            if logits_to_keep == 0 or last:
-                outputs.append(logits)
+        plan = prompt_chunks(valid_host, self.prefill_chunk or tokens)
+        gathered = plan[0].gathers
+        outputs = []
+        for j, piece in enumerate(plan):
+            if gathered:  # the last step holds every row's last token; other logits are placed by column
+                keep = 1 if logits_to_keep == 1 else 0
+            else:
+                keep = logits_to_keep if piece.last else (0 if logits_to_keep == 0 else 1)
+            logits = self._prefill_step(inner, piece, [rows[i] for i in piece.members],
+                                        [piece.last and finals[i] for i in piece.members], input_ids, inputs_embeds,
+                                        positions, positions_host, ids_host, keep)
+            if keep == 0 or piece.last:
+                outputs.append((piece, logits))
             if progress is not None:
-                progress(stop - start)
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+                progress(tokens * (j + 1) // len(plan) - tokens * j // len(plan))
+        if gathered and logits_to_keep != 1:
+            placed = place_logits(batch, tokens, outputs)
+            return placed if logits_to_keep == 0 else placed[:, -logits_to_keep:]
+        return outputs[0][1] if len(outputs) == 1 else torch.cat([out for _, out in outputs], dim=1)
+
+    def _prefill_step(self, inner: InnerForward, piece: PromptChunk, rows: list[int], ends: list[bool],
+                      input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor,
+                      positions_host: torch.Tensor, ids_host: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """One prefill chunk (``piece`` of the batch) through ``inner``; then the verdict on prompts it ended."""
+        step_positions = piece.take(positions_host)
+        step = StepState.build(rows, piece.valid, step_positions, is_prefill=True, is_last_chunk=ends,
+                               device=self.layout.device)
+        if ids_host is not None:
+            step.prompt_tokens = valid_tokens(piece.take(ids_host), piece.valid, step_positions)
+        self._begin(step)
+        step.slot_plan = self.manager.slot_plan(step)
+        logits = self._run(inner, step, input_ids=piece.take(input_ids), inputs_embeds=piece.take(inputs_embeds),
+                           position_ids=piece.take(positions), logits_to_keep=keep)
+        self._end(step)
+        if step.is_last_chunk:
+            self._after_prompts(inner, [r for r, done in zip(rows, step.ends_prompt) if done])
+        return logits
 
     def _after_prompts(self, inner: InnerForward, rows: list[int]) -> None:
         """The method's scoring passes for prompts that just ended (KVzip's reconstruction), then its verdict."""
