@@ -1,13 +1,14 @@
 """Continuous batching is invisible in the tokens: requests arriving at random steps, some aborted mid-prompt or
 mid-decode, on a pool small enough to preempt, each get the tokens they get alone on the engine.
 
-Where that holds exactly: with prompt chunks aligned to ``prefill_chunk_size`` (a token budget that never splits
-a chunk), for every method that decides per row; dense methods also under preemption (recompute re-prefills prompt
-+ output, which an eviction method compresses as a new prompt: README, Serving). Fuzzed on 2026-12-04 (fifteenth
-session) with 10 seeds for vanilla, snapkv, snapkv+kivi, quest, omnikv, pyramidkv, streamingllm, kvzip, h2o and
-h2o+kivi on a large pool and vanilla, quest, omnikv and kivi on a preempting one: no difference. With chunks
-split by the step budget, KIVI's results legitimately depend on the chunking (a chunk reads the earlier chunks'
-quantized groups)."""
+Where that holds exactly: for every method that decides per row, including under a step budget that splits prompt
+chunks (a method whose result depends on where chunks end is fed ``prefill_chunk_size`` chunks whatever the budget:
+``PrefillMode.ALIGNED``, H2O and KIVI); dense methods also under preemption (recompute re-prefills prompt + output,
+which an eviction method compresses as a new prompt: README, Serving). Fuzzed on 2026-12-04 (fifteenth session)
+with 10 seeds for vanilla, snapkv, snapkv+kivi, quest, omnikv, pyramidkv, streamingllm, kvzip, h2o and h2o+kivi on
+a large pool and vanilla, quest, omnikv and kivi on a preempting one: no difference. With chunks split by the step
+budget, ``kivi`` gave other tokens until it became ALIGNED (sixteenth session: a chunk reads the groups earlier
+chunks left quantized)"""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ CASES = {"vanilla": ({}, 40), "kivi": ({"residual": 8, "group_size": 4}, 40),
          "h2o+kivi": ({"budget": 24, "residual": 8, "group_size": 4}, 200)}
 
 
-def _engine(method: str, pages: int, seqs: int):
+def _engine(method: str, pages: int, seqs: int, budget: int = 64):
     _, model = tiny_pair()
     options, _ = CASES[method]
     return LLM(model, method, tokenizer=DigitTokenizer(), num_pages=pages, max_model_len=100, max_num_seqs=seqs,
-               max_num_batched_tokens=64, page_size=4, prefill_chunk_size=8, **options).llm_engine
+               max_num_batched_tokens=budget, page_size=4, prefill_chunk_size=8, **options).llm_engine
 
 
 def _finish(engine, outs: dict) -> None:
@@ -36,14 +37,15 @@ def _finish(engine, outs: dict) -> None:
             outs[o.request_id] = o.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("method, seed", [("vanilla", 0), ("vanilla", 1), ("kivi", 0), ("snapkv+kivi", 2),
-                                          ("h2o+kivi", 3)])
-def test_batched_requests_get_their_solo_tokens(method: str, seed: int) -> None:
+@pytest.mark.parametrize("method, seed, budget", [("vanilla", 0, 64), ("vanilla", 1, 64), ("kivi", 0, 64),
+                                                  ("snapkv+kivi", 2, 64), ("h2o+kivi", 3, 64), ("kivi", 8, 11)])
+def test_batched_requests_get_their_solo_tokens(method: str, seed: int, budget: int) -> None:
+    """``budget`` 11: the step's decodes and chunks of 8 leave remainders that would split a chunk."""
     rng = np.random.default_rng(seed)
     requests = [(int(rng.integers(0, 12)), rng.integers(3, 90, int(rng.integers(4, 40))).tolist(),
                  int(rng.integers(1, 16)), int(rng.integers(1, 30)) if rng.random() < 0.3 else None)
                 for _ in range(8)]  # (arrival step, prompt, max_tokens, abort after)
-    engine = _engine(method, CASES[method][1], 4)
+    engine = _engine(method, CASES[method][1], 4, budget)
     outs, aborted = {}, set()
     for step in range(400):
         for i, (at, prompt, new, abort) in enumerate(requests):
@@ -56,11 +58,11 @@ def test_batched_requests_get_their_solo_tokens(method: str, seed: int) -> None:
         if step > 12 and not engine.has_unfinished_requests():
             break
     assert len(outs) == len(requests) and aborted
-    assert CASES[method][1] > 40 or engine.stats().num_preemptions  # the small pools preempt
+    assert budget < 64 or CASES[method][1] > 40 or engine.stats().num_preemptions  # the small pools preempt
     for i, (_, prompt, new, _) in enumerate(requests):
         if f"r{i}" in aborted:
             continue
-        alone = _engine(method, 200, 1)
+        alone = _engine(method, 200, 1, budget)
         alone.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=new))
         solo: dict = {}
         while alone.has_unfinished_requests():

@@ -217,6 +217,9 @@ class KiviRuntime(KiviStorageMixin, SparseMethod):
     name = "kivi"
     config_class = KiviConfig
     prompt_copies = 0
+    #: a prompt chunk reads the groups that earlier chunks left quantized, so where chunks end changes what it reads:
+    #: the serving engine feeds generate()'s chunks whatever else is batched
+    prefill_mode = PrefillMode.ALIGNED
 
 
 # ---------------------------------------------------------------------------------------------------- composition
@@ -276,6 +279,8 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
     # precision until the compaction (module docstring).
     # (a policy that evicts key groups keeps its own chunks: its prompt stays held in full precision between them)
     mode = policy.prefill_mode if policy.keeps_all_tokens or evicts_by_group(policy) else PrefillMode.WHOLE
+    if mode is PrefillMode.CHUNKED:  # as kivi alone (KiviRuntime.prefill_mode)
+        mode = PrefillMode.ALIGNED
     bases: tuple[type, ...] = (KiviStorageMixin, policy)
     if getattr(policy, "window_pages", False):  # a sliding window slides a page at a time (kivi_window.py)
         bases = (KiviStorageMixin, PageWindowMixin, policy)
