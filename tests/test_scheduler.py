@@ -50,11 +50,13 @@ class Executor:
 
     def __init__(self, oracle) -> None:
         self.oracle = oracle
-        self.manager = CacheManager(LAYOUT, PAGES, 8, MAX_LEN // PAGE + 2)
+        self.manager = CacheManager(LAYOUT, PAGES, 12, MAX_LEN // PAGE + 2)
+        self.siblings: list[Request] = []  # n > 1: the siblings forked (or queued) when a first prompt ended
 
     def _set(self, request: Request, counts: list[int]) -> None:
         m, row = self.manager, request.row
         now = m.slot_count_array([row])[0]
+        m.prepare_writes([row], np.minimum(now, counts)[None, :])  # a fork's shared pages: copy-on-write
         grow = np.maximum(now, counts)
         m.ensure_slots([row], grow[None, :])  # raises OutOfPages if the scheduler over-committed
         for layer, c in enumerate(counts):
@@ -87,10 +89,26 @@ class Executor:
             if r.row is None:
                 r.row = self.manager.add_sequence()
             self._set(r, [chunk.stop] * LAYERS)
+            seated = r.forks
             scheduler.chunk_done(chunk)
             if chunk.final:
                 self._set(r, self.oracle.resident_slots_per_layer(len(r.prefill_ids), 0))
+                self._fork(scheduler, r, seated)
                 self._emit(scheduler, r, stop_now)
+
+    def _fork(self, scheduler: Scheduler, r: Request, seated: int) -> None:
+        """The engine's first sample of an ``n > 1`` request: siblings fork its row (or queue); every sibling whose
+        seat its admission reserved joins."""
+        if r.params.n == 1 or r.output_ids or "#" in r.request_id or r.params.max_tokens == 1:
+            return
+        for k in range(1, r.params.n):
+            child = Request(f"{r.request_id}#{k}", list(r.prompt_ids), r.params, RequestMetrics(0.0))
+            child.output_ids.append(7)
+            joined = scheduler.add_fork(child, r)
+            assert joined or k > seated, (k, seated)
+            if joined:
+                child.row = self.manager.fork_sequence(r.row)
+            self.siblings.append(child)
 
     def _emit(self, scheduler: Scheduler, r: Request, stop_now: set[str]) -> None:
         r.output_ids.append(7)
@@ -117,11 +135,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                                    prefill_chunk_size=8, prefill_mode=mode, max_model_len=MAX_LEN,
                                    max_prefill_tokens_while_decoding=while_decoding)
 
-    @rule(prompt=st.integers(1, 70), max_tokens=st.integers(1, 30))
+    @rule(prompt=st.integers(1, 70), max_tokens=st.integers(1, 30), n=st.sampled_from([1, 1, 2, 3]))
     @precondition(lambda self: hasattr(self, "scheduler"))
-    def arrive(self, prompt: int, max_tokens: int) -> None:
+    def arrive(self, prompt: int, max_tokens: int, n: int) -> None:
         self.ids += 1
-        r = Request(f"r{self.ids}", [5] * prompt, SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0))
+        r = Request(f"r{self.ids}", [5] * prompt, SamplingParams(max_tokens=max_tokens, n=n), RequestMetrics(0.0))
         try:
             self.scheduler.add(r)
         except RequestRejected:
@@ -139,7 +157,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         cap = self.scheduler.max_prefill_tokens_while_decoding
         if plan.decode and cap is not None:  # prompt work beside decodes: within the cap (one fixed-size chunk may
             assert sum(c.stop - c.start for c in plan.prefill) <= cap or len(plan.prefill) == 1  # exceed it)
-        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+        assert self.scheduler._seats() <= self.scheduler.max_num_seqs
         self.executor.run(self.scheduler, plan, self.stop_now)
 
     @rule(data=st.data())
@@ -161,8 +179,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         m, s = self.executor.manager, self.scheduler
         used = m.allocator.num_used
         assert used <= s.reserved["kv_pages"] <= PAGES
-        owned = sum(len(m.pages_of(row, layer)) for row in m.live_rows for layer in range(LAYERS))
-        assert owned == used  # every allocated page belongs to exactly one live (row, layer)
+        held = {p for row in m.live_rows for layer in range(LAYERS) for p in m.pages_of(row, layer)}
+        assert len(held) == used  # every allocated page is held by a live row (forks share pages)
         assert s.reserved["kv_pages"] == sum(r.reserved.get("kv_pages", 0) for r in s.running)
 
     def teardown(self) -> None:
@@ -173,7 +191,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step()
         assert not self.scheduler.has_unfinished
-        assert all(r.status is RequestStatus.FINISHED for r in self.admitted.values())
+        assert all(r.status is RequestStatus.FINISHED for r in [*self.admitted.values(), *self.executor.siblings])
         assert self.executor.manager.allocator.num_free == PAGES
         assert self.scheduler.reserved["kv_pages"] == 0
         assert self.scheduler.reserved.get(PROMPT_BUFFER, 0) == 0

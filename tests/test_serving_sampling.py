@@ -63,6 +63,23 @@ def test_n_siblings_that_do_not_fit_wait_and_recompute_exactly():
     assert idle(llm)
 
 
+def test_n_siblings_of_an_eviction_method_fork_whatever_else_is_batched():
+    """Admission seats an n > 1 request with its siblings (``max_num_seqs``) and reserves their resident pages, so
+    each sibling forks the compressed prompt instead of re-prefilling prompt + first token, which SnapKV would
+    compress as another prompt: batched with others, every completion is the one it gets alone (before, with four
+    seats, siblings re-prefilled 148 tokens and two completions changed)."""
+    _, llm = tiny_llm("snapkv", budget=12, window=4, max_num_seqs=4)
+    prompts = prompts_of([33, 21, 28], seed=9)
+    params = [SamplingParams(n=3, temperature=0.9, seed=5 + i, max_tokens=8) for i in range(3)]
+    before = llm.llm_engine.stats().prompt_tokens
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.stats().prompt_tokens - before == 33 + 21 + 28  # no sibling re-prefilled
+    for prompt, p, out in zip(prompts, params, together):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+    assert idle(llm)
+
+
 def test_aborting_an_n_request_frees_every_sibling(pair):
     _, llm = pair
     engine = llm.llm_engine

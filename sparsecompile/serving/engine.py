@@ -302,19 +302,19 @@ class LLMEngine(StepForwards):
             if reason is not None:
                 finished.append((live, reason, stop))
         done = {id(lv) for lv, _, _ in finished}
-        for child, parent_row in children:
-            if id(child) not in done and self.scheduler.add_fork(child.request):
-                child.request.row = self._fork_row(parent_row, child.request.prefill_ids)
+        for child, parent in children:
+            if id(child) not in done and self.scheduler.add_fork(child.request, parent):
+                child.request.row = self._fork_row(parent.row, child.request.prefill_ids)
         for live, reason, stop in finished:
             self._finish(live, reason, stop)
         return lives
 
     # ------------------------------------------------------------------ n > 1: forks
-    def _expand_forks(self, lives: list[LiveSequence],
-                      logits: torch.Tensor) -> tuple[list[LiveSequence], torch.Tensor, list[tuple[LiveSequence, int]]]:
+    def _expand_forks(self, lives: list[LiveSequence], logits: torch.Tensor
+                      ) -> tuple[list[LiveSequence], torch.Tensor, list[tuple[LiveSequence, Request]]]:
         """Add the ``n - 1`` siblings of each request sampling its first token, each with a copy of its logits row.
 
-        Returns the sequences to sample, their logits and ``(sibling, row to fork)`` pairs.
+        Returns the sequences to sample, their logits and ``(sibling, request whose row it forks)`` pairs.
         """
         if all(lv.group.params.n == 1 or len(lv.group.seqs) > 1 for lv in lives):
             return lives, logits, []
@@ -332,7 +332,7 @@ class LLMEngine(StepForwards):
                 child = self._add_seq(group, request)
                 expanded.append(child)
                 rows.append(i)
-                children.append((child, parent.row))
+                children.append((child, parent))
         return expanded, logits[torch.tensor(rows, device=logits.device)], children
 
     def _fork_row(self, row: int, tokens: list[int]) -> int:

@@ -8,7 +8,9 @@ Every engine step the scheduler decides, under a token budget (``max_num_batched
    until they do.
 2. **prefill**: the next chunk of requests already admitted, then new admissions in arrival order. A request
    is admitted only when its reservation (the peak of its prompt's prefill, transient KV included) fits every
-   named budget the oracle reports, leaving a small watermark for the running requests' decode steps.
+   named budget the oracle reports, leaving a small watermark for the running requests' decode steps. An ``n > 1``
+   request is admitted with its siblings' seats and resident pages (``Request.forks``), so they fork its row when
+   its prompt ends instead of re-prefilling.
 
 The scheduler holds the *ledger* (pages reserved per request), never the pages themselves: the engine
 allocates through the CacheManager and releases a request's row when the scheduler finishes, aborts or
@@ -66,6 +68,9 @@ class Request:
     ``chain_id``: the session whose idle state a continuation resumes and under which the finished state stays.
     ``resumed``: per-layer slots of a reattached chain row at admission; ``prompt_slots``: the row's slots when
     such a resumed prompt ended (reservations follow them instead of the oracle's fresh-prompt model).
+    ``forks``: the siblings of an ``n > 1`` request still to fork from its row when its first prompt ends: admission
+    counts their seats in ``max_num_seqs`` and their resident pages in its reservation, so every one of them forks
+    (a sibling that would re-prefill compresses prompt + first token as a new prompt under an eviction method).
     """
 
     request_id: str
@@ -87,6 +92,7 @@ class Request:
     resumed: list[int] | None = None
     prompt_slots: list[int] | None = None
     chain: Any = None  # the reattached chain record (reuse.py)
+    forks: int = 0  # n > 1: siblings forked when its prompt ends, whose seats and resident pages it reserves
     block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks (a memo)
 
     def __post_init__(self) -> None:
@@ -222,7 +228,17 @@ class Scheduler:
             pages = self._pages(self.oracle.resumed_peak_slots(resume.resident, n, n - resume.tokens))
         else:
             pages = self._pages(self.oracle.peak_slots_per_layer(n, 0))
-        return {**pages, **self.oracle.prompt_cost(n)}
+        return _summed([pages, self.oracle.prompt_cost(n)] + [self._fork_cost(request)] * request.forks)
+
+    def _fork_cost(self, request: Request) -> dict[str, int]:
+        """The oracle's model of what one sibling of ``request`` reserves when it forks, which admission reserves for
+        it: the pages the prompt leaves resident (shared copy-on-write with its source, counted once per row as for
+        every request; ``add_fork`` then reserves the row's measured slots)."""
+        return self._pages(self.oracle.held_slots_per_layer(len(request.prompt_ids), 0))
+
+    def _seats(self) -> int:
+        """Rows of ``max_num_seqs`` taken: the running requests and the siblings they will fork."""
+        return len(self.running) + sum(r.forks for r in self.running)
 
     def _buffers_fit(self, out: SchedulerOutput, request: Request, need: int) -> bool:
         """``request``'s chunk (its prompt buffer ``need`` bytes) may join this step's prompt chunks: the step's
@@ -265,25 +281,28 @@ class Scheduler:
             have = ", ".join(f"{v} {k}" for k, v in self.capacity.items())
             raise RequestRejected(f"the request needs {need} at its peak but the KV pool has {have} in all; shorten "
                                   "the prompt or max_tokens, or give the engine more KV memory (kv_cache_memory)")
+        request.forks = min(request.params.n, self.max_num_seqs) - 1
+        while request.forks and not self.oracle.fits(self._prefill_cost(request), self.capacity):
+            request.forks -= 1  # siblings beyond what the pool can ever hold with it re-prefill when they find room
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def add_fork(self, request: Request) -> bool:
-        """Take ``request``, a sibling (``n > 1``) of a request whose prompt just finished prefilling, holding that
+    def add_fork(self, request: Request, source: Request) -> bool:
+        """Take ``request``, a sibling (``n > 1``) of ``source``, whose prompt just finished prefilling, holding that
         prompt and its own first sampled token.
 
         Returns True when it joins the running batch now, as if its prompt had been prefilled (the engine then gives
-        it a row holding the prompt's KV; the reservation covers the prompt's prefill peak, which a re-prefilled
-        fork needs); False when that does not fit: it is queued like a preempted request instead (it re-prefills
-        prompt + first token when admitted).
+        it a copy of ``source``'s row, reserving what that row holds, as measured when the prompt ended, which the
+        source's admission reserved for it by the oracle's model: ``Request.forks``); False when that does not fit
+        (siblings beyond what the batch or the pool could hold): it is queued like a preempted request instead (it
+        re-prefills prompt + first token when admitted, reserving that prefill's peak then).
         """
         request.prefill_ids = list(request.prompt_ids)
         request.num_prefilled, request.num_decoded = len(request.prefill_ids), 0
+        request.prompt_slots = source.prompt_slots  # the same row: its reservations follow the same measured slots
         # pages only: a fork keeps no prompt buffer (re-prefilled later, it reserves one when it is admitted again)
-        peak = self._pages(self.oracle.peak_slots_per_layer(len(request.prefill_ids), 0))
         resident = self._pages(self._held(request))
-        need = {k: max(peak.get(k, 0), resident.get(k, 0)) for k in set(peak) | set(resident)}
-        if len(self.running) < self.max_num_seqs and self.oracle.fits(need, self.free()):
+        if len(self.running) < self.max_num_seqs and self.oracle.fits(resident, self.free()):
             request.status = RequestStatus.DECODING
             self._set_reservation(request, resident)
             self.running.append(request)
@@ -291,6 +310,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.prefill_ids = request.prompt_ids + request.output_ids
         request.num_prefilled = 0
+        request.prompt_slots = None
         self.waiting.appendleft(request)
         return False
 
@@ -348,10 +368,10 @@ class Scheduler:
             if (r.status is RequestStatus.PREFILLING and budget > 0
                     and self._buffers_fit(out, r, r.reserved.get(PROMPT_BUFFER, 0))):
                 budget -= self._add_chunk(out, r, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._seats() < self.max_num_seqs:
             r = self.waiting[0]
-            if r in out.preempted:  # its row is released after this call (and its blocks cached): next step
-                break
+            if r in out.preempted or self._seats() + 1 + r.forks > self.max_num_seqs:
+                break  # a preempted row is released after this call (and its blocks cached): next step
             resume = self.reuse.lookup(r) if self.reuse is not None else None
             start = resume.tokens if resume is not None else 0
             if self._chunk_size(r, budget, first=not out.prefill, start=start) == 0:
@@ -400,6 +420,7 @@ class Scheduler:
         if chunk.final:
             r.status = RequestStatus.DECODING
             r.num_decoded = 0
+            r.forks = 0  # the engine forks them when it samples this step (add_fork): nothing is scheduled between
             if slots is not None:
                 r.prompt_slots = list(slots)
             self._set_reservation(r, self._pages(self._held(r)))
