@@ -262,5 +262,26 @@ def test_serving_evicts_groups_like_generate(monkeypatch):
     stats = llm.llm_engine.stats()
     assert stats.free_pages == stats.total_pages
     assert any(n < rows for n, rows in batches)  # some steps evicted for part of the batch only
-    sparsecompile.optimize(reference, "h2o+kivi", prefill_chunk_size=64, **options)
+    sparsecompile.optimize(reference, "h2o+kivi", prefill_chunk_size=GROUP, **options)
+    assert outs == reference_tokens(reference, prompts, new)
+
+
+def test_a_pool_sized_for_one_request_never_preempts_it():
+    """The engine sizes its pool by the oracle's peak of one request (``max_num_seqs=1``); once the prompt's slots are
+    measured, reservations must follow the group eviction too (``KiviMemoryOracle.resumed_*``): before, they grew a
+    page per page of tokens past the budget, the engine preempted its only request and re-prefilled prompt + output,
+    which H2O compresses as a new prompt (other tokens than generate())."""
+    from test_llm import prompts_of, reference_tokens, tiny_llm
+
+    from sparsecompile import SamplingParams
+
+    prompts, new = prompts_of((150,)), 60
+    options = {**OPTIONS, "compile": False}
+    # chunks of one group: the prefill's peak (budget + chunk) is the decode's (budget + G), no slack in the pool
+    reference, llm = tiny_llm("h2o+kivi", max_num_seqs=1, max_num_batched_tokens=64, prefill_chunk_size=GROUP,
+                              **options)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new),
+                                                          use_tqdm=False)]
+    assert llm.llm_engine.stats().num_preemptions == 0
+    sparsecompile.optimize(reference, "h2o+kivi", prefill_chunk_size=GROUP, **options)
     assert outs == reference_tokens(reference, prompts, new)

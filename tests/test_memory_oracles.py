@@ -368,3 +368,30 @@ def test_oracle_matches_the_replay(method, options, n, new, page):
 def test_eviction_oracle_is_what_the_runtimes_build():
     for method in ("streamingllm", "snapkv", "pyramidkv", "h2o"):
         assert isinstance(oracle(method, budget=64), EvictionMemoryOracle)
+
+
+STORED = [("kivi", {"group_size": 4, "residual": 8}), ("snapkv+kivi", {"budget": 24, "window": 8, "group_size": 4,
+                                                                         "residual": 8}),
+          ("streamingllm+kivi", {"budget": 24, "group_size": 4, "residual": 8}),
+          ("h2o+kivi", {"budget": 24, "recent": 8, "group_size": 4, "residual": 8}),
+          ("kvzip+kivi", {"budget": 24, "group_size": 4, "residual": 8, "selection": "uniform"}),
+          ("kvzip", {"budget": 24, "selection": "uniform"})]
+
+
+@pytest.mark.parametrize("method,options", GROWING + EVICTING + STORED, ids=_ids)
+def test_measured_prompt_slots_follow_the_same_formulas(method, options):
+    """Serving measures a row's slots when its prompt ends and then reserves by the ``resumed_*`` formulas: given the
+    model's own count they answer as the fresh-prompt ones (a KIVI composition's oracle once answered them without
+    its policy's decode eviction, so h2o+kivi's reservation grew by a page per page of tokens past its budget and the
+    engine preempted a lone request from a pool sized for it; and without kvzip's re-read, under-reserving)."""
+    info = ModelInfo("toy", L, 2 * KV_HEADS, KV_HEADS, 16, tuple(f"layer{i}" for i in range(L)), None)
+    o = build_runtime(method, options, info).memory_oracle(KVLayout(L, KV_HEADS, 16, 4, torch.float32, CPU))
+    for n in (3, 20, 57, 130):
+        after = o.resident_slots_per_layer(n, 0)
+        for g in range(0, 70, 3):
+            assert o.resumed_resident_slots(after, n, g) == o.resident_slots_per_layer(n, g), (n, g)
+            assert o.resumed_held_slots(after, n, g) == o.held_slots_per_layer(n, g), (n, g)
+        assert o.resumed_peak_slots([0] * L, n, n) == o.peak_slots_per_layer(n, 0) or method in ("kvzip", "kvzip+kivi")
+    if "+" in method:  # the re-read's extra tokens and the chunk-wise bound come from the policy too
+        for resident, suffix in (([5] * L, 40), ([30] * L, 3)):
+            assert o.resumed_peak_slots(resident, 100, suffix) == o.base.resumed_peak_slots(resident, 100, suffix)

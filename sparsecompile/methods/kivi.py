@@ -125,6 +125,17 @@ class KiviMemoryOracle(MemoryOracle):
     def held_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
         return self.base.held_slots_per_layer(prompt_len, generated)
 
+    # a resumed row (a chain continuation) and every prompt's rows once its slots are measured (serving): the
+    # policy's formulas, which know its decode eviction and its re-read's extra tokens
+    def resumed_peak_slots(self, resident: list[int], prompt_len: int, suffix: int) -> list[int]:
+        return self.base.resumed_peak_slots(resident, prompt_len, suffix)
+
+    def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
+        return self.base.resumed_resident_slots(after_prompt, prompt_len, generated)
+
+    def resumed_held_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
+        return self.base.resumed_held_slots(after_prompt, prompt_len, generated)
+
     def prompt_buffer_bytes(self, prompt_len: int) -> int:
         """A composition's full-precision prompt buffers (``KiviStorage._materialize``: every layer's K and V of the
         row's slots at the policy's prefill peak, padded to pages plus a trash slot, in the model's dtype), kept until
