@@ -159,3 +159,25 @@ def test_a_model_whose_every_layer_slides_keeps_everything(method, extra):
     want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
     assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False),
                        want)
+
+
+def test_a_prompt_after_an_uneven_compaction_reads_only_kept_entries():
+    """Global selection keeps different numbers of entries per head, so a shorter head's last slots are empty. A later
+    prompt on the row (a conversation's next turn, here on a fork) must not read them: its prefill logits equal
+    feeding the same tokens one decode step at a time. Before, the row was not marked as holed and the prefill's
+    dense fast path read the empty slots' stale K/V (found by a random chain run: two conversations batched gave
+    other tokens than each alone); a fork did not inherit the mark either."""
+    _, model = tiny_pair()
+    sparsecompile.optimize(model, "kvzip", budget=12, **OPTIONS)
+    context = torch.randint(3, 95, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = sparsecompile.compress(model, context)
+    kept = [[len(p) for p in layer[0]] for layer in (sparsecompile.retained_positions(cache, i) for i in range(2))]
+    assert any(len(set(heads)) > 1 for heads in kept), kept  # uneven heads: empty slots
+    fork = cache.fork()
+    more = torch.randint(3, 95, (1, 6), generator=torch.Generator().manual_seed(4))
+    name = cache_argument_name(model)
+    prefilled = model(more, **{name: fork}).logits[0]
+    stepped = torch.cat([model(more[:, i:i + 1], **{name: cache}).logits[0] for i in range(6)])
+    torch.testing.assert_close(prefilled, stepped, atol=1e-5, rtol=1e-5)
+    fork.release()
+    cache.release()

@@ -134,5 +134,7 @@ def keep_slots(manager: CacheManager, row: int, layer: int, keep: torch.Tensor) 
         glob = manager.global_slots(layer, rows, local[:new_count][None])[0][None, :].expand(H, -1)
         manager.scatter_slots(manager.pos_pool, torch.where(empty, glob, -1)[None],
                               torch.full((1, H, new_count), -1, dtype=torch.int32, device=device))
+        if bool((kept < new_count).any()):  # a head kept fewer: empty slots before the layer's count
+            manager.mark_holes(row)
     manager.truncate(row, layer, new_count)
     return new_count

@@ -56,6 +56,8 @@ class SharedPages:
         self._host_lengths[new] = self._host_lengths[row]
         self._owned[new] = self._owned[row]
         self._shared_rows.update((row, new))
+        if row in self._holes:  # the same slots, so the same empty ones
+            self._holes.add(new)
         self._dirty_rows.add(new)
         return new
 

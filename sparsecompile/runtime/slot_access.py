@@ -273,6 +273,12 @@ class SlotAccess:
         per_head = slots[:, None, :].expand(-1, self.layout.num_kv_heads, -1)
         pos = gather_slots(self.pos_pool, per_head)
         self.scatter_slots(self.pos_pool, torch.where(pos >= first, per_head, -1), torch.full_like(pos, -1))
+        self.mark_holes(row)
+
+    def mark_holes(self, row: int) -> None:
+        """``row`` has empty slots (position -1) among its used ones (a head that kept fewer entries, removed
+        entries): its prefill attention then masks by position instead of reading the first slots densely
+        (``StepState.dense_lengths``), until the row is released; its forks inherit that."""
         self._holes.add(row)
 
     # ------------------------------------------------------------------ inspection (host syncs; not for hot paths)
