@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from method_matrix import COMPRESSING
 from tiny_models import left_padded_batch, tiny_pair
 
 import sparsecompile
 from sparsecompile.methods.registry import available_methods
 from sparsecompile.models.hf_patch import patched_model
+from sparsecompile.runtime.prompt_chunks import prompt_chunks
 
 LENGTHS, NEW = (37, 9, 22), 6
 
@@ -60,3 +63,33 @@ def test_logits_of_a_chunked_padded_batch_are_the_unpatched_models(keep):
     assert out.logits.shape == want.shape
     torch.testing.assert_close(out.logits[valid], want[valid], atol=1e-5, rtol=1e-5)
     (out.cache if "cache" in out else out.past_key_values).release()
+
+
+@given(rows=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12)), min_size=1, max_size=5),
+       chunk=st.integers(1, 9), holes=st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_prompt_chunks_cut_each_row_from_its_own_first_token(rows, chunk, holes):
+    """``prompt_chunks``: every valid token of every row exactly once, in order; a row's k-th chunk is its tokens
+    ``[k * chunk, (k + 1) * chunk)`` (as alone); every row takes part in the last step; pad slots are not valid."""
+    width = max(n + pad for n, pad in rows) or 1
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (n, _) in enumerate(rows):  # left padding: the widest row sets the width
+        valid[i, width - n:] = True
+        if holes and n > 2:  # a mask with a zero inside a row
+            valid[i, width - n + 1] = False
+    plan = prompt_chunks(valid, chunk)
+    assert plan[-1].last and not any(p.last for p in plan[:-1])
+    seen: dict[int, list[list[int]]] = {i: [] for i in range(len(rows))}
+    for piece in plan:
+        cols = piece.columns
+        for k, i in enumerate(piece.members):
+            mine = (torch.arange(width)[cols] if not piece.gathers else cols[k])[piece.valid[k]].tolist()
+            assert len(mine) <= chunk
+            seen[i].append(mine)
+    for i in range(len(rows)):
+        own = valid[i].nonzero().flatten().tolist()
+        assert [c for part in seen[i] for c in part] == own  # once each, in order
+        if plan[0].gathers and own:
+            assert seen[i] == [own[k:k + chunk] for k in range(0, len(own), chunk)]
+    if plan[0].gathers:
+        assert plan[-1].members == list(range(len(rows)))
