@@ -22,6 +22,12 @@ CASES = {
     "streamingllm": {"budget": 12},
     "quest": {"budget": 8, "dense_layers": 0, "dense_below": 0},
     "omnikv": {"budget": 8, "filter_layers": "0", "dense_below": 0},
+    "kvzip": {"budget": 12},  # global selection: one threshold over every rank's heads
+    "kivi": {"bits": 4, "group_size": 4, "residual": 8},
+    "snapkv+kivi": {"budget": 16, "window": 4, "bits": 4, "group_size": 4, "residual": 8},
+    "h2o+kivi": {"budget": 16, "recent": 4, "bits": 4, "group_size": 4, "residual": 8},
+    "streamingllm+kivi": {"budget": 16, "sinks": 1, "bits": 4, "group_size": 4, "residual": 8},
+    "kvzip+kivi": {"budget": 16, "bits": 4, "group_size": 4, "residual": 8},
 }
 SERVING = dict(max_num_seqs=3, max_num_batched_tokens=24)
 LLM_PROMPT_LENGTHS = (21, 40, 9)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..config import MethodConfigError, option
 from ..kernels import gather_slots
@@ -247,11 +248,30 @@ class KVzipRuntime(EvictionRuntime):
             scores[layer] = torch.where((pos[0] >= 0) & (pos[0] < self.config.sinks), INF, s)
         if self.config.selection == "uniform":
             keep = {layer: _top_per_head(scores[layer], min(int(counts[layer]), budgets[layer])) for layer in layers}
+        elif self.model.tp.size > 1:
+            keep = self._top_global_over_ranks(scores, budgets)
         else:
             total = sum(manager.layout.num_kv_heads * min(int(counts[layer]), budgets[layer]) for layer in layers)
             keep = _top_global(scores, total)
         for layer in layers:
             keep_slots(manager, row, layer, keep[layer])
+
+    def _top_global_over_ranks(self, scores: dict[int, torch.Tensor], budgets: list[int]) -> dict[int, torch.Tensor]:
+        """Global selection under tensor parallelism: one threshold over every head of the model, as on one rank.
+        Each rank holds ``[H / tp, count]`` scores per layer (its count: the most any of its heads holds); the ranks'
+        scores, padded to the largest count, are gathered in head order, the whole model's best entries chosen with
+        the same ties (layer, head, slot: a head's slots are the same whatever rank holds it), and each rank keeps
+        its heads' share."""
+        tp, layers = self.model.tp, list(scores)
+        heads = next(iter(scores.values())).shape[0]
+        local = torch.tensor([scores[layer].shape[-1] for layer in layers], device=scores[layers[0]].device)
+        widths = tp.all_reduce(local, "max").tolist()
+        full = {layer: tp.all_gather(F.pad(scores[layer], (0, width - scores[layer].shape[-1]), value=-INF), dim=0)
+                for layer, width in zip(layers, widths)}
+        total = sum(tp.size * heads * min(width, budgets[layer]) for layer, width in zip(layers, widths))
+        chosen = _top_global(full, total)
+        mine = slice(tp.rank * heads, (tp.rank + 1) * heads)
+        return {layer: chosen[layer][mine, :scores[layer].shape[-1]] for layer in layers}
 
 
 def _top_per_head(scores: torch.Tensor, k: int) -> torch.Tensor:
