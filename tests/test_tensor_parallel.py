@@ -18,15 +18,15 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from tp_cases import CASES, as_torchrun_rank, fault_after, generate_tokens, llm_tokens, make_llm, run_ranks, tiny
+from tp_cases import CPU_CASES, as_torchrun_rank, fault_after, generate_tokens, llm_tokens, make_llm, run_ranks, tiny
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
 
 
 def one_rank_tokens() -> dict:
-    return {"generate": {m: generate_tokens(m, 1) for m in CASES},
-            "llm": {m: llm_tokens(make_llm(m, 1)) for m in CASES}}
+    return {"generate": {m: generate_tokens(m, 1) for m in CPU_CASES},
+            "llm": {m: llm_tokens(make_llm(m, 1)) for m in CPU_CASES}}
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -37,9 +37,9 @@ def _rank(rank: int, port: int, out: str) -> None:
     from sparsecompile.methods.snapkv import SnapKVRuntime
 
     seen: dict = {"generate": {}, "llm": {}}
-    for method in CASES:
+    for method in CPU_CASES:
         seen["generate"][method] = generate_tokens(method, 2)
-    for method in CASES:
+    for method in CPU_CASES:
         llm = make_llm(method, 2)
         if llm.is_driver:
             seen["llm"][method] = llm_tokens(llm)
@@ -70,13 +70,13 @@ def runs(tmp_path_factory) -> dict:
     return {"ranks": ranks, "reference": reference}
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
+@pytest.mark.parametrize("method", sorted(CPU_CASES))
 def test_generate_under_tp2_equals_tp1(runs, method):
     want = runs["reference"]["generate"][method]
     assert [seen["generate"][method] for seen in runs["ranks"]] == [want, want]
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
+@pytest.mark.parametrize("method", sorted(CPU_CASES))
 def test_llm_under_tp2_equals_tp1(runs, method):
     assert runs["ranks"][0]["llm"][method] == runs["reference"]["llm"][method]
     assert runs["ranks"][1]["llm"][method] == "worker"  # rank 1 served rank 0's steps in its constructor

@@ -41,8 +41,10 @@ class PromptChunk:
             return None
         if not self.gathers:
             return tensor[:, self.columns]
-        members = torch.tensor(self.members, device=tensor.device)
-        return tensor[members[:, None], self.columns.to(tensor.device)]
+        # host-to-device copies that do not wait for the device (a synchronous one would stall the next chunk's launch
+        # until the previous chunk's kernels end)
+        members = torch.tensor(self.members).to(tensor.device, non_blocking=True)
+        return tensor[members[:, None], self.columns.to(tensor.device, non_blocking=True)]
 
 
 def prompt_chunks(valid: torch.Tensor, chunk: int) -> list[PromptChunk]:
@@ -78,7 +80,7 @@ def place_logits(batch: int, tokens: int, steps: list[tuple[PromptChunk, torch.T
     first = steps[0][1]
     out = first.new_zeros(batch, tokens, first.shape[-1])
     for piece, logits in steps:
-        valid = piece.valid.to(logits.device)
-        members = torch.tensor(piece.members, device=logits.device)[:, None].expand_as(valid)
-        out[members[valid], piece.columns.to(logits.device)[valid]] = logits[valid]
+        valid = piece.valid.to(logits.device, non_blocking=True)
+        members = torch.tensor(piece.members).to(logits.device, non_blocking=True)[:, None].expand_as(valid)
+        out[members[valid], piece.columns.to(logits.device, non_blocking=True)[valid]] = logits[valid]
     return out
