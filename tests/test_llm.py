@@ -121,6 +121,26 @@ def test_stop_strings_stop_tokens_and_lengths():
     assert short.metrics.time_to_first_token is not None and short.metrics.latency >= short.metrics.time_to_first_token
 
 
+def test_text_is_decoded_after_the_prompt_as_vllm_does():
+    """A tokenizer whose decoder puts the space between words (SentencePiece's leading-space marks, word-level
+    decoders) gives the first token's space in the text: ``prompt + text`` is the whole sequence decoded (what
+    ``echo`` returns), streamed or not; a stop string never matches across into the prompt."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    _, candidate = tiny_pair("llama")
+    tokenizer = tiny_tokenizer()
+    llm = LLM(candidate, tokenizer=tokenizer, max_num_seqs=2, page_size=4)
+    prompt = "w10 w11 w12"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    assert out.outputs[0].text.startswith(" w") and len(ids) == 6
+    assert prompt + out.outputs[0].text == tokenizer.decode(out.prompt_token_ids + ids, skip_special_tokens=True)
+    # "w12 w" straddles the prompt's end: it is not a stop (text starts after the prompt)
+    straddle = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["w12 w"]),
+                            use_tqdm=False)[0].outputs[0]
+    assert straddle.finish_reason == "length" and straddle.text == out.outputs[0].text
+
+
 def test_streaming_deltas_add_up_and_abort_frees_pages_at_once():
     _, llm = tiny_llm()
     engine = llm.llm_engine

@@ -6,6 +6,11 @@ multi-byte character split across tokens out of the text until it is complete. S
 on the text; the returned text ends before the first match, and a streaming client is never sent text
 that a stop string might still swallow. Before ``min_tokens`` tokens exist nothing but ``max_tokens`` stops a
 request (as vLLM: stop tokens from ``min_tokens`` tokens on, stop strings once there are more).
+
+The window starts on the prompt's last tokens, as vLLM's: the first generated token is decoded after them, so
+a tokenizer that marks a word's leading space in the token (SentencePiece's ``▁``, word-level decoders) gives
+``" Paris"`` after ``"The capital of France is"``, not ``"Paris"``, and ``prompt + text`` is the whole
+decoded sequence (what ``echo`` returns).
 """
 
 from __future__ import annotations
@@ -13,20 +18,23 @@ from __future__ import annotations
 from .outputs import SamplingParams
 
 _INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
+_CONTEXT = 5  # prompt tokens the first window starts on (vLLM's initial incremental detokenization offset)
 
 
 class Detokenizer:
     """Text and stop state of one request's generated tokens."""
 
-    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int],
+                 prompt_ids: list[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.params = params
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_ids = set(params.stop_token_ids)
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # generated tokens
         self.text = ""
+        self._window = list(prompt_ids[-_CONTEXT:])  # the prompt's tail, then every generated token
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._window)
         self._sent = 0  # characters of ``text`` already reported as delta
 
     def _decode(self, ids: list[int]) -> str:
@@ -35,17 +43,18 @@ class Detokenizer:
     def append(self, token: int) -> tuple[str | None, str | int | None]:
         """Add one generated token; returns ``(finish_reason, stop_reason)`` (None, None while it goes on)."""
         self.token_ids.append(token)
+        self._window.append(token)
         may_stop = len(self.token_ids) >= self.params.min_tokens
         if may_stop and token in self.stop_ids:
             return "stop", token
         if may_stop and token in self.eos:
             return "stop", None
-        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self.token_ids[self._prefix_offset:])
+        prefix = self._decode(self._window[self._prefix_offset:self._read_offset])
+        full = self._decode(self._window[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith(_INCOMPLETE):
             start = len(self.text)
             self.text += full[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
             stops = self.params.stop if len(self.token_ids) > self.params.min_tokens else ()
             for stop in stops:
                 # Only the new text (and what a match could straddle) can hold a new match.

@@ -178,7 +178,7 @@ class LLMEngine(StepForwards):
     def _add_seq(self, group: RequestGroup, request: Request) -> LiveSequence:
         """Track ``request`` as completion ``len(group.seqs)`` of ``group``."""
         params, index = group.params, len(group.seqs)
-        live = LiveSequence(request, Detokenizer(self.tokenizer, params, self.eos_token_ids),
+        live = LiveSequence(request, Detokenizer(self.tokenizer, params, self.eos_token_ids, request.prompt_ids),
                             make_generator(child_seed(params.seed, index), self.device), group, index)
         if params.processes_logits:
             live.history = TokenHistory(request.prompt_ids, request.output_ids)
