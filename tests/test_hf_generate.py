@@ -184,7 +184,7 @@ REFUSED = [
     (dict(dola_layers="low"), "DoLa"),
     (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     (dict(output_hidden_states=True, return_dict_in_generate=True), "output_hidden_states"),
-    (dict(cache_implementation="quantized"), "quantized KV cache"),
+    (dict(cache_implementation="quantized"), "method=.kivi."),
     (dict(cache_implementation="offloaded"), "offloaded to CPU"),
     (dict(cache_implementation="paged"), "continuous batching"),
 ]

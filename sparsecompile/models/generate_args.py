@@ -33,7 +33,8 @@ GENERATE_ONLY = frozenset({"tokenizer", "assistant_tokenizer"})
 _CACHE_REFUSALS = {
     "paged": "switches generate() to transformers' own continuous batching, which bypasses sparsecompile; use "
              "sparsecompile.LLM for continuous batching",
-    "quantized": "asks for a quantized KV cache; sparsecompile keeps K/V in the model's dtype (KIVI is coming)",
+    "quantized": "asks for transformers' quantized KV cache, which sparsecompile's cache replaces; optimize the model "
+                 "with method='kivi' (or '<policy>+kivi', e.g. 'snapkv+kivi') to store K/V quantized",
     "offloaded": "asks for a KV cache offloaded to CPU; sparsecompile keeps its KV pool on the model's device",
 }
 _DEFAULT_MAX_LENGTH = 20  # transformers' global default when neither max_length nor max_new_tokens is set
