@@ -112,6 +112,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
 
+    def bind_thread(self, owner) -> None:
+        self.owner = owner
+
     def stats(self) -> Stats:
         running = len(self.live) - len(self.waiting)
         return Stats(num_running=running, num_waiting=len(self.waiting), free_pages=8 - running)

@@ -115,6 +115,11 @@ def test_stop_strings_stop_tokens_and_lengths():
                            use_tqdm=False)[0].outputs[0]
     assert by_text.finish_reason == "stop" and by_text.stop_reason == stop
     assert by_text.text == free.text[:free.text.index(stop)]
+    kept = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, include_stop_str_in_output=True,
+                                                  **rule), use_tqdm=False)[0].outputs[0]
+            for rule in (dict(stop=[stop]), dict(stop_token_ids=[tokens[4]]))]
+    assert kept[0].text == free.text[:free.text.index(stop) + len(stop)] and kept[0].stop_reason == stop
+    assert kept[1].text == "".join(f"{t} " for t in tokens[:first + 1]) and kept[1].stop_reason == tokens[4]
     short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert short.outputs[0].token_ids == tokens[:3] and short.outputs[0].finish_reason == "length"
     assert short.metrics.num_generated_tokens == 3 and short.metrics.num_prompt_tokens == 20
@@ -273,3 +278,23 @@ def test_a_capped_prompt_budget_beside_decodes_keeps_the_tokens():
     _, uncapped = tiny_llm()
     chunks = [o.metrics.num_prefill_chunks for o in uncapped.generate(prompts, GREEDY, use_tqdm=False)]
     assert sum(o.metrics.num_prefill_chunks for o in outs) > 2 * sum(chunks)  # the cap did cut the chunks (63 vs 25)
+
+
+def test_an_engine_served_by_the_server_refuses_other_threads_until_the_server_stops():
+    """The server's engine thread binds the (not thread-safe) engine: an ``LLM.generate`` from another thread gets
+    a clear error instead of racing its steps (which crashed the server's thread or mixed requests' state)."""
+    from fastapi.testclient import TestClient
+
+    from sparsecompile.server import create_app
+
+    _, llm = tiny_llm()
+    prompt = prompts_of([9])[0]
+    before = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with TestClient(create_app(llm.llm_engine, "tiny"), base_url="http://localhost") as client:
+        with pytest.raises(RuntimeError, match="driven by the server's engine thread"):
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+        served = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                      "temperature": 0}).json()
+        assert served["choices"][0]["text"] == "".join(f"{t} " for t in before)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+    assert llm.llm_engine.stats().free_pages == llm.llm_engine.stats().total_pages

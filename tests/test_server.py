@@ -434,6 +434,9 @@ class FailingEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
 
+    def bind_thread(self, owner) -> None:
+        pass
+
     def stats(self) -> _Stats:
         return _Stats(num_running=len(self.live), free_pages=8 - len(self.live))
 

@@ -262,6 +262,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self.engine.bind_thread(f"the server's engine thread ({threading.current_thread().name})")
             while True:
                 self._wakeup.clear()
                 with self._lock:
@@ -289,6 +290,8 @@ class AsyncEngine:
             with self._lock:
                 self._error = err
             self._close_all(EngineDeadError(f"the engine failed: {err!r}"), abort_in_engine=False)
+        finally:
+            self.engine.bind_thread(None)  # stopped: the engine may be driven from elsewhere again
 
     def _handle(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):

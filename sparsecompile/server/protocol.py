@@ -3,9 +3,10 @@
 Requests forbid unknown fields and use strict types (``"max_tokens": "5"`` is refused, not coerced), so a
 client that misspells a field or sends an unsupported one hears about it instead of being silently ignored.
 Fields are named as OpenAI names them; the extras vLLM popularised (``top_k``, ``min_p``, ``stop_token_ids``,
-``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``) are accepted too. Responses carry
-logprobs in OpenAI's shapes (completions: ``tokens / token_logprobs / top_logprobs / text_offset``; chat:
-``content: [{token, logprob, bytes, top_logprobs}]``) and ``prompt_logprobs`` in vLLM's.
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, ``include_stop_str_in_output``,
+``skip_special_tokens``) are accepted too. Responses carry logprobs in OpenAI's shapes (completions:
+``tokens / token_logprobs / top_logprobs / text_offset``; chat: ``content: [{token, logprob, bytes, top_logprobs}]``)
+and ``prompt_logprobs`` in vLLM's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from ..serving.outputs import MAX_LOGPROBS, RequestRejected, SamplingParams
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+#: request fields passed to SamplingParams as they are
+_SAME_AS_SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                            "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "n",
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 MAX_N = 128  # completions per request (each is a sequence in the engine; a huge n would exhaust host memory)
 
 
@@ -41,7 +46,9 @@ class _SamplingFields(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
     ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -82,13 +89,9 @@ class _SamplingFields(BaseModel):
                 if not key.isdigit():
                     raise RequestRejected(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
                 bias[int(key)] = value
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_tokens=self.min_tokens, logit_bias=bias, logprobs=self._logprobs(),
-                              prompt_logprobs=self._prompt_logprobs())
+        same = {name: getattr(self, name) for name in _SAME_AS_SAMPLING_PARAMS}
+        return SamplingParams(max_tokens=max_tokens, logit_bias=bias, logprobs=self._logprobs(),
+                              prompt_logprobs=self._prompt_logprobs(), **same)
 
     @property
     def include_usage(self) -> bool:

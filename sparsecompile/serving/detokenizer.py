@@ -45,31 +45,38 @@ class Detokenizer:
         self.token_ids.append(token)
         self._window.append(token)
         may_stop = len(self.token_ids) >= self.params.min_tokens
-        if may_stop and token in self.stop_ids:
-            return "stop", token
-        if may_stop and token in self.eos:
-            return "stop", None
-        prefix = self._decode(self._window[self._prefix_offset:self._read_offset])
-        full = self._decode(self._window[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(_INCOMPLETE):
-            start = len(self.text)
-            self.text += full[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
-            stops = self.params.stop if len(self.token_ids) > self.params.min_tokens else ()
-            for stop in stops:
+        stop_token = may_stop and (token in self.stop_ids or token in self.eos)
+        if stop_token:  # its text joins the output only with include_stop_str_in_output (as vLLM)
+            if self.params.include_stop_str_in_output:
+                self._extend()
+            return "stop", token if token in self.stop_ids else None
+        start = len(self.text)
+        if self._extend() and len(self.token_ids) > self.params.min_tokens:
+            for stop in self.params.stop:
                 # Only the new text (and what a match could straddle) can hold a new match.
                 at = self.text.find(stop, max(0, start - len(stop) + 1))
                 if at >= 0:
-                    self.text = self.text[:at]
+                    self.text = self.text[:at + len(stop) if self.params.include_stop_str_in_output else at]
                     return "stop", stop
         if len(self.token_ids) >= self.params.max_tokens:
             return "length", None
         return None, None
 
+    def _extend(self) -> bool:
+        """Decode the window's new tokens onto ``text``; False while they end in an incomplete character."""
+        prefix = self._decode(self._window[self._prefix_offset:self._read_offset])
+        full = self._decode(self._window[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+            return False
+        self.text += full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
+        return True
+
     def delta(self, finished: bool) -> str:
-        """Text not reported yet; while running, hold back a tail that could be the start of a stop string."""
+        """Text not reported yet; while running, hold back a tail that could be the start of a stop string (which
+        would be cut from the text, unless ``include_stop_str_in_output``)."""
         end = len(self.text)
-        if not finished:
+        if not finished and not self.params.include_stop_str_in_output:
             for stop in self.params.stop:
                 for k in range(min(len(stop) - 1, end), 0, -1):
                     if self.text.endswith(stop[:k]):

@@ -20,7 +20,9 @@ every token) full prompt pages are shared between requests. Both hold pages the 
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -50,6 +52,21 @@ from .scheduler import Request, Scheduler, pack_chunks
 from .step_forwards import StepForwards
 
 SERVING_PREFILL_CHUNK = 8192  # tokens per step when neither max_num_batched_tokens nor prefill_chunk_size is set
+
+
+def _driven(method):
+    """An engine method that changes state: refused from any thread but the one bound by ``bind_thread``."""
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        owner = self._owner
+        if owner is not None and owner[0] != threading.get_ident():
+            raise RuntimeError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send the "
+                               f"request through it (the server's HTTP API or its AsyncEngine), or serve offline "
+                               f"work from another LLM instance")
+        return method(self, *args, **kwargs)
+
+    return checked
 
 
 @dataclass
@@ -135,8 +152,16 @@ class LLMEngine(StepForwards):
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self._default_seeds = 0  # requests seeded from config.seed so far
+        self._owner: tuple[int, str] | None = None  # (thread id, description) of the bound driver thread
 
     # ------------------------------------------------------------------ requests
+    def bind_thread(self, owner: str | None) -> None:
+        """From now on only the calling thread (described by ``owner`` in errors) may change the engine: requests,
+        steps, chains, prunes; None unbinds. A server's engine thread binds itself, so an ``LLM.generate`` from
+        another thread gets a clear error instead of racing it."""
+        self._owner = None if owner is None else (threading.get_ident(), owner)
+
+    @_driven
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
                     prompt_text: str | None = None, chain_id: str | None = None) -> None:
         """Queue a request; :class:`RequestRejected` (with the reason) when it can never be served.
@@ -202,6 +227,7 @@ class LLMEngine(StepForwards):
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
+    @_driven
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its pages (unknown or finished ids are ignored)."""
         group = self._groups.get(request_id)
@@ -222,28 +248,34 @@ class LLMEngine(StepForwards):
                            s.num_preemptions, **self._counters, reuse=self.reuse.stats())
 
     # ------------------------------------------------------------------ idle state (chains, prefix cache)
+    @_driven
     def fork_chain(self, source: str, chain_id: str) -> None:
         """Branch a conversation: the idle chain ``source`` is copied (pages shared copy-on-write) to a new idle
         chain ``chain_id``; continuing one never changes the other."""
         self.reuse.fork_chain(source, chain_id)
 
+    @_driven
     def drop_chain(self, chain_id: str) -> bool:
         """Free the idle chain ``chain_id`` now (False: there is none)."""
         return self.reuse.drop_chain(chain_id)
 
+    @_driven
     def reset_prefix_cache(self) -> int:
         """Evict every prefix block no request uses; returns the pages freed."""
         return self.reuse.reset_prefix_cache()
 
+    @_driven
     def release_idle(self) -> None:
         """Free every idle chain and every idle prefix block."""
         self.reuse.release_idle()
 
+    @_driven
     def prune(self, spec: PruneSpec) -> PruneResult:
         """Interval pruning of an idle chain now (``prune.py``); raises ``PruneRejected`` with the reason (nothing
         changed), ``PruneBlocked`` when the state is in use."""
         return self.pruner.prune(spec)
 
+    @_driven
     def submit_prune(self, spec: PruneSpec) -> PruneResult:
         """Like :meth:`prune`, but a prune of state in use waits (``blocked``) and runs once it is idle; the result
         (``status`` pending / blocked / completed / failed) is kept under its ``prune_id``."""
@@ -253,6 +285,7 @@ class LLMEngine(StepForwards):
         return self.pruner.status(prune_id)
 
     # ------------------------------------------------------------------ one step
+    @_driven
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; returns the requests that changed (new tokens, finished, aborted)."""
         outputs, self._aborted = self._aborted, []

@@ -35,6 +35,10 @@ class Engine(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def bind_thread(self, owner: str | None) -> None:
+        """Only the calling thread (``owner`` names it in errors) may change the engine from now on; None unbinds.
+        The server's engine thread binds itself while it runs."""
+
     def stats(self) -> Any:
         """A snapshot of counters and gauges (running, waiting, free pages, ...)."""
 

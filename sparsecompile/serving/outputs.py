@@ -40,7 +40,10 @@ class SamplingParams:
         seed: per-request seed; the same seed and prompt give the same tokens whatever else is batched. With
             ``n > 1`` completion ``i`` draws from seed :func:`child_seed` ``(seed, i)`` (completion 0 from ``seed``).
         stop: strings that end generation; the text returned stops before the first one.
-        stop_token_ids: token ids that end generation (kept in ``token_ids``, not decoded into the text).
+        include_stop_str_in_output: the text returned ends with the stop string that ended it (or the stop
+            token's / EOS's text) instead of before it.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``; decoded into the text only with
+            ``include_stop_str_in_output``).
         ignore_eos: keep generating past the tokenizer's end-of-sequence token.
         skip_special_tokens: drop special tokens when decoding text.
         n: completions of the prompt (the prompt is processed once; each completion samples on its own).
@@ -65,6 +68,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -104,6 +108,9 @@ class SamplingParams:
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _integer(t) or t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _integer(self.n) or self.n < 1:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
