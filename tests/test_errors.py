@@ -67,6 +67,19 @@ def test_unsupported_models_refused():
         sparsecompile.optimize(gemma2)
 
 
+def test_a_config_that_misdescribes_the_kv_heads_is_named_and_the_model_restored():
+    """The pool is sized from the config: a model whose attention makes other K/V shapes (a config edited after
+    loading, a model that ignores ``num_key_value_heads``) gets the mismatch named, not an indexing error."""
+    reference, model = tiny_pair("llama")
+    model.config.num_key_value_heads = 1  # the model was built with 2
+    with pytest.raises(RuntimeError, match="2 heads x 16 dims, but the model's config describes 1 x 16"):
+        sparsecompile.optimize(model)
+    assert patch_of(model) is None
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False),
+                       reference.generate(ids, max_new_tokens=3, do_sample=False))
+
+
 def test_restore_gives_the_model_back():
     reference, model = tiny_pair()
     ids = torch.randint(3, 96, (1, 6))

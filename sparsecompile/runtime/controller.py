@@ -152,6 +152,12 @@ class SparseController(RowOperations, PromptForward, MixedForward):
                                "(model(...) or model.generate(...)), not its submodules")
         if not torch.compiler.is_compiling():
             self.attention_calls += 1
+        layout = self.manager.layout
+        if key.shape[1] != layout.num_kv_heads or key.shape[-1] != layout.head_dim:  # static shapes: free when traced
+            raise RuntimeError(f"layer {layer}'s attention gave K/V of {key.shape[1]} heads x {key.shape[-1]} dims, "
+                               f"but the model's config describes {layout.num_kv_heads} x {layout.head_dim} "
+                               "(num_key_value_heads / head_dim): the KV pool is sized from the config; fix the "
+                               "config to match the model")
         if isinstance(step, MixedStep):  # each part through its own step, its own plan swapped in
             outs = []
             for part, q, k, v in zip(step.parts, step.split(query), step.split(key), step.split(value)):
