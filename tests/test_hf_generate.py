@@ -75,13 +75,14 @@ def options_for(free: torch.Tensor, tok) -> dict[str, dict]:
         "static_cache_requested": dict(cache_implementation="static"),
         "use_cache_false": dict(use_cache=False),
         "classifier_free_guidance": dict(guidance_scale=1.5),
+        "token_healing": dict(token_healing=True, tokenizer=tok),  # needs the tokenizer: HF's own loop
     }
 
 
 OPTIONS = ["stop_strings", "min_new_tokens", "eos_and_padding", "repetition_penalty", "no_repeat_ngram_size",
            "bad_words_ids", "sequence_bias", "suppress_tokens", "forced_eos_token_id", "seeded_sampling",
            "typical_epsilon", "generation_config", "static_cache_requested", "use_cache_false",
-           "classifier_free_guidance"]
+           "classifier_free_guidance", "token_healing"]
 
 
 @pytest.mark.parametrize("name", OPTIONS)

@@ -183,8 +183,8 @@ class PatchedModel:
         model_config = getattr(self.orig_generate.__self__, "generation_config", None)
         if kwargs.get("custom_generate") is None and _own_loop_applies(kwargs, model_config):
             # HF prepares, our loop decodes (models/fast_generate.py). HF hands a custom decoding method neither the
-            # tokenizer nor the streamer: the loop gets the streamer here, and stop strings (which need the
-            # tokenizer) keep HF's own loop, as does use_cache=False (every step re-reads the whole sequence).
+            # tokenizer nor the streamer: the loop gets the streamer here, and stop strings and token healing (which
+            # need the tokenizer) keep HF's own loop, as does use_cache=False (every step re-reads the whole sequence).
             kwargs["custom_generate"] = SparseSampleLoop(self, streamer=kwargs.get("streamer"), user_cache=not created)
         try:
             out = self.orig_generate(*args, **kwargs)
@@ -200,8 +200,9 @@ class PatchedModel:
 def _own_loop_applies(kwargs: dict, model_config) -> bool:
     config = kwargs.get("generation_config") or model_config
     stop_strings = kwargs.get("stop_strings") or getattr(config, "stop_strings", None)
+    healing = kwargs.get("token_healing", getattr(config, "token_healing", False))  # needs the tokenizer as well
     use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
-    return not stop_strings and use_cache is not False
+    return not stop_strings and not healing and use_cache is not False
 
 
 def _expected_new_tokens(kwargs: dict) -> int:
