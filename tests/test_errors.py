@@ -80,6 +80,28 @@ def test_a_config_that_misdescribes_the_kv_heads_is_named_and_the_model_restored
                        reference.generate(ids, max_new_tokens=3, do_sample=False))
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (dict(global_head_dim=32), r"layers differ in head_dim \(\[16, 32\]\)"),  # wider full-attention heads
+    (dict(global_head_dim=16, num_hidden_layers=4, num_kv_shared_layers=2,
+          layer_types=["sliding_attention", "full_attention"] * 2), "last 2 layers reuse earlier layers' K/V"),
+], ids=["per-layer head_dim", "kv sharing"])
+def test_gemma4_per_layer_shapes_and_kv_sharing_are_refused(overrides, match):
+    """Gemma 4 (transformers' heterogeneous per-layer configs): the pool has one K/V shape for every layer, and
+    KV-shared layers would be stored and compressed as layers of their own (a crash with eviction methods)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "gemma4_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no Gemma 4")
+    options = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=6)
+    config = AutoConfig.for_model("gemma4_text", **{**options, **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match=match):
+        sparsecompile.optimize(model, method="snapkv", budget=64)
+    assert patch_of(model) is None
+
+
 def test_restore_gives_the_model_back():
     reference, model = tiny_pair()
     ids = torch.randint(3, 96, (1, 6))

@@ -2,7 +2,7 @@
 
 We never run a model silently dense or silently wrong: a feature our attention op does not
 implement yet (logit softcapping, attention sinks, MLA, ALiBi, bidirectional attention, linear
-attention layers) is refused at ``optimize()`` with the reason.
+attention layers, K/V shared across layers, per-layer head shapes) is refused at ``optimize()`` with the reason.
 """
 
 from __future__ import annotations
@@ -119,14 +119,32 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     for _, module in modules:
         if any(isinstance(p, nn.Parameter) and name == "sinks" for name, p in module.named_parameters(recurse=False)):
             raise UnsupportedModelError(f"{model_type}: attention sinks are not implemented yet")
-    q_heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
-    head_dim = (getattr(config, "head_dim", None) or getattr(modules[0][1], "head_dim", None)
+    shared = sum(bool(getattr(module, "is_kv_shared_layer", False)) for _, module in modules)
+    if shared or getattr(config, "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{model_type}: its last {shared or config.num_kv_shared_layers} layers reuse "
+                                    "earlier layers' K/V (KV sharing), which the per-layer KV pool does not model yet")
+    q_heads = _shared(config, "num_attention_heads", model_type)
+    kv_heads = _shared(config, "num_key_value_heads", model_type) or q_heads
+    head_dim = (_shared(config, "head_dim", model_type) or getattr(modules[0][1], "head_dim", None)
                 or config.hidden_size // q_heads)
     if q_heads % kv_heads:
         raise UnsupportedModelError(f"{model_type}: {q_heads} query heads are not a multiple of {kv_heads} KV heads")
     return ModelInfo(model_type, len(modules), q_heads, kv_heads, int(head_dim), tuple(n for n, _ in modules),
                      getattr(config, "max_position_embeddings", None))
+
+
+def _shared(config, name: str, model_type: str):
+    """``config.<name>``, which every layer must share: the KV pool holds one shape for all layers. transformers'
+    heterogeneous configs (``per_layer_config``, e.g. Gemma 4's wider full-attention heads) may differ per layer."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is not None:
+        values = {getattr(layer, name, None) for layer in per_layer}
+        if len(values) > 1:
+            raise UnsupportedModelError(f"{model_type}: its layers differ in {name} ({sorted(values)}); sparsecompile "
+                                        "keeps one KV shape for every layer, so per-layer shapes are not supported yet")
+        if values:
+            return values.pop()
+    return getattr(config, name, None)
 
 
 def model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
