@@ -286,12 +286,13 @@ def test_an_engine_served_by_the_server_refuses_other_threads_until_the_server_s
     from fastapi.testclient import TestClient
 
     from sparsecompile.server import create_app
+    from sparsecompile.serving.engine import EngineBoundError
 
     _, llm = tiny_llm()
     prompt = prompts_of([9])[0]
     before = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with TestClient(create_app(llm.llm_engine, "tiny"), base_url="http://localhost") as client:
-        with pytest.raises(RuntimeError, match="driven by the server's engine thread"):
+        with pytest.raises(EngineBoundError, match="driven by the server's engine thread"):
             llm.generate([prompt], GREEDY, use_tqdm=False)
         served = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
                                                       "temperature": 0}).json()

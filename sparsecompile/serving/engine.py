@@ -54,6 +54,10 @@ from .step_forwards import StepForwards
 SERVING_PREFILL_CHUNK = 8192  # tokens per step when neither max_num_batched_tokens nor prefill_chunk_size is set
 
 
+class EngineBoundError(RuntimeError):
+    """The engine was called from a thread other than the one bound to it (see ``LLMEngine.bind_thread``)."""
+
+
 def _driven(method):
     """An engine method that changes state: refused from any thread but the one bound by ``bind_thread``."""
 
@@ -61,7 +65,7 @@ def _driven(method):
     def checked(self, *args, **kwargs):
         owner = self._owner
         if owner is not None and owner[0] != threading.get_ident():
-            raise RuntimeError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send the "
+            raise EngineBoundError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send the "
                                f"request through it (the server's HTTP API or its AsyncEngine), or serve offline "
                                f"work from another LLM instance")
         return method(self, *args, **kwargs)
