@@ -242,3 +242,37 @@ def test_save_pretrained_of_a_patched_model(pair, tmp_path):
     ids = torch.randint(3, 95, (1, 6), generator=torch.Generator().manual_seed(4))
     assert torch.equal(loaded.generate(input_ids=ids, max_new_tokens=5, do_sample=False),
                        pair[0].generate(input_ids=ids, max_new_tokens=5, do_sample=False))
+
+
+def test_a_multimodal_model_generates_text_like_its_unpatched_self_and_refuses_images():
+    """``AutoModelForCausalLM`` loads Gemma 3 as ``Gemma3ForConditionalGeneration``; transformers' generate() hands it
+    ``mm_encoder_outputs={}`` without images. Text-only generation equals the unpatched model (greedy, snapkv kept
+    dense) in ``generate()`` and ``LLM``; images are refused up front, naming them."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    text = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=16, pad_token_id=0,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=99,
+                          boi_token_index=97, eoi_token_index=98)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    ids, mask = left_padded_batch((7, 12), seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = reference.generate(**kwargs)
+    llm = sparsecompile.LLM(model, "snapkv", tokenizer=tiny_tokenizer(), budget=64, window=4, max_model_len=64,
+                            page_size=4)
+    assert torch.equal(model.generate(**kwargs), want)
+    prompts = [ids[i][mask[i].bool()].tolist() for i in range(2)]
+    outs = llm.generate(prompts, sparsecompile.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want[:, ids.shape[1]:].tolist()
+    with pytest.raises(ValueError, match="pixel_values: images, video and audio are not supported"):
+        model.generate(**kwargs, pixel_values=torch.randn(2, 3, 28, 28))
+    assert_no_pages_held(model)

@@ -9,7 +9,8 @@ own arguments leak that way: ``tokenizer`` and ``assistant_tokenizer`` are poppe
 ``forward``. The stock forward swallows them in ``**kwargs``; the patched forward ignores exactly these
 (:data:`GENERATE_ONLY`) and refuses any other argument it cannot honour.
 
-Refused up front, naming the option: decoding modes that reorder or roll back the cache (beam search and
+Refused up front, naming the option: a multimodal model's images, video or audio (its language model is what
+is patched), decoding modes that reorder or roll back the cache (beam search and
 its variants, contrastive search, assisted / speculative decoding, DoLa), ``output_attentions`` and
 ``output_hidden_states`` (the sparse forward returns logits only), cache implementations that promise a
 memory behaviour we do not provide (offloaded, quantized, paged), and a prompt plus ``max_new_tokens`` that
@@ -37,6 +38,9 @@ _CACHE_REFUSALS = {
                  "with method='kivi' (or '<policy>+kivi', e.g. 'snapkv+kivi') to store K/V quantized",
     "offloaded": "asks for a KV cache offloaded to CPU; sparsecompile keeps its KV pool on the model's device",
 }
+#: a multimodal model's non-text inputs (sparsecompile patches the language model: text-only generation works)
+_MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_embeds", "input_features", "input_values",
+                      "audio_values", "mm_encoder_outputs")
 _DEFAULT_MAX_LENGTH = 20  # transformers' global default when neither max_length nor max_new_tokens is set
 
 _MODE_REFUSALS = {
@@ -79,6 +83,12 @@ def effective_generation_config(model: nn.Module, generation_config, kwargs: dic
         if hasattr(config, key) and not callable(getattr(config, key)):
             setattr(config, key, value)
     return config
+
+
+def is_given(value: Any) -> bool:
+    """An argument that carries something: not None, nor an empty container (transformers' generate() passes a
+    multimodal model ``mm_encoder_outputs={}`` when there are no images: a text-only call)."""
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
 
 
 def _cache_refusal(name: str) -> str | None:
@@ -133,6 +143,10 @@ def check_generate_arguments(model: nn.Module, signature: inspect.Signature, arg
     mode = getattr(mode, "value", mode)  # a str enum, hashed by its name: compare its value
     if mode in _MODE_REFUSALS and bound.get("custom_generate") is None:
         raise ValueError(f"{_MODE_REFUSALS[mode]}: not supported with sparsecompile")
+    media = [name for name in _MULTIMODAL_INPUTS if is_given(bound.get(name))]
+    if media:
+        raise ValueError(f"{', '.join(media)}: images, video and audio are not supported with sparsecompile, which "
+                         "serves the language model of a multimodal model (text-only generation works)")
     for name, why in (("output_attentions", "sparse attention never materialises the attention weights"),
                       ("output_hidden_states", "sparsecompile's forward returns the logits only")):
         if getattr(config, name, False):

@@ -25,7 +25,7 @@ from ..runtime.compilation import compile_dynamic
 from ..runtime.controller import SparseController
 from .attention import CONTROLLER_ATTR
 from .fast_generate import MODEL_CACHE_FIELD, SparseSampleLoop
-from .generate_args import GENERATE_ONLY, check_generate_arguments
+from .generate_args import GENERATE_ONLY, check_generate_arguments, is_given
 from .hf_cache import SparseCache
 
 # Arguments the patched forward consumes itself; anything else is passed to the original forward.
@@ -86,7 +86,7 @@ class PatchedModel:
         bound = self.signature.bind_partial(*args, **kwargs)
         params = dict(bound.arguments)
         params.update(params.pop("kwargs", {}) or {})
-        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and k not in GENERATE_ONLY and v is not None)
+        extra = sorted(k for k, v in params.items() if k not in _CONSUMED and k not in GENERATE_ONLY and is_given(v))
         if extra:
             raise TypeError(f"sparsecompile's patched forward does not support the argument(s) {extra}")
         if params.get("labels") is not None:
