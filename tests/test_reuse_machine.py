@@ -25,8 +25,9 @@ from sparsecompile.methods.registry import build_runtime
 from sparsecompile.runtime.controller import SparseController
 from sparsecompile.runtime.model_info import ModelInfo
 from sparsecompile.serving.outputs import RequestMetrics, SamplingParams
+from sparsecompile.serving.request import Request, RequestStatus
 from sparsecompile.serving.reuse import KVReuse
-from sparsecompile.serving.scheduler import Request, RequestStatus, Scheduler
+from sparsecompile.serving.scheduler import Scheduler
 
 LAYERS, PAGE, PAGES, MAX_LEN, SEQS, IDLE = 2, 4, 64, 64, 3, 4
 INFO = ModelInfo("llama", LAYERS, 2, 1, 4, ("a", "b"), None)

@@ -18,7 +18,8 @@ from sparsecompile.methods.eviction import EvictionMemoryOracle
 from sparsecompile.runtime.cache_manager import CacheManager, KVLayout
 from sparsecompile.runtime.memory_oracle import PROMPT_BUFFER, DenseMemoryOracle
 from sparsecompile.serving.outputs import RequestMetrics, RequestRejected, SamplingParams
-from sparsecompile.serving.scheduler import Request, RequestStatus, Scheduler
+from sparsecompile.serving.request import Request, RequestStatus
+from sparsecompile.serving.scheduler import Scheduler
 
 LAYERS, PAGE, PAGES, MAX_LEN = 2, 4, 48, 64
 LAYOUT = KVLayout(LAYERS, 1, 4, PAGE, torch.float32, torch.device("cpu"))

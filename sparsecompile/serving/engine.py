@@ -45,10 +45,11 @@ from .outputs import (
 from .patched import PatchedServedModel, eos_token_ids
 from .pool_size import kv_budget_bytes, pages_from_memory
 from .prune import Pruner, PruneResult, PruneSpec
+from .request import Request
 from .request_state import LiveSequence, RequestGroup
 from .reuse import KVReuse, ReuseStats, fingerprint
 from .sampling import TokenHistory, make_generator, sample
-from .scheduler import Request, Scheduler, pack_chunks
+from .scheduler import Scheduler, pack_chunks
 from .step_forwards import StepForwards
 
 SERVING_PREFILL_CHUNK = 8192  # tokens per step when neither max_num_batched_tokens nor prefill_chunk_size is set

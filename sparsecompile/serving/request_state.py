@@ -16,8 +16,8 @@ from .outputs import (
     SampleLogprobs,
     SamplingParams,
 )
+from .request import Request
 from .sampling import TokenHistory
-from .scheduler import Request
 
 
 @dataclass(eq=False)

@@ -29,7 +29,7 @@ import xxhash
 from ..runtime.controller import SparseController
 from .chain_cache import Chain, ChainIndex, digest
 from .prefix_cache import PrefixCache, PrefixStats
-from .scheduler import Request, Resume
+from .request import Request, Resume
 
 
 @dataclass

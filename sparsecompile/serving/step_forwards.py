@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..runtime.mixed import ChunkGroup
+from .request import PrefillChunk, Request
 from .request_state import LiveSequence
-from .scheduler import PrefillChunk, Request
 
 if TYPE_CHECKING:
     from ..runtime.cache_manager import CacheManager
