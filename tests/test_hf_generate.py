@@ -276,3 +276,30 @@ def test_a_multimodal_model_generates_text_like_its_unpatched_self_and_refuses_i
     with pytest.raises(ValueError, match="pixel_values: images, video and audio are not supported"):
         model.generate(**kwargs, pixel_values=torch.randn(2, 3, 28, 28))
     assert_no_pages_held(model)
+
+
+def test_a_model_whose_forward_takes_no_position_ids_decodes_in_its_own_numbering():
+    """generate() builds position_ids from the padding mask only for a forward that takes them; otherwise the model
+    numbers every column, padding included (MOSS-Transcribe-Diarize, ...). The decode loop continues the prefill's
+    numbering: a left-padded row decoded by the mask's numbering attended at the wrong distances (logits off by ~7)."""
+    from tiny_models import tiny_config
+    from transformers import LlamaForCausalLM
+
+    class NoPositionIds(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, logits_to_keep=0, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                   logits_to_keep=logits_to_keep, **kwargs)
+
+    torch.manual_seed(0)
+    reference = NoPositionIds(tiny_config("llama", initializer_range=0.5)).eval()
+    model = NoPositionIds(tiny_config("llama", initializer_range=0.5)).eval()
+    model.load_state_dict(reference.state_dict())
+    sparsecompile.optimize(model)
+    ids, mask = left_padded_batch((7, 12), seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    want, got = both((reference, model), **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    (got["cache"] if "cache" in got else got["past_key_values"]).release()

@@ -62,18 +62,15 @@ class SparseSampleLoop:
         want_logits = config.return_dict_in_generate and config.output_logits
         scores = () if want_scores else None
         raw_logits = () if want_logits else None
-        prompt_mask = model_kwargs.get("attention_mask")
 
         outputs = model._prefill(input_ids, config, model_kwargs, is_first_iteration=True)
         cache: SparseCache = outputs[MODEL_CACHE_FIELD]
         model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
         returned = config.return_dict_in_generate or self.user_cache
         lag = self.lag if (not returned or self.patched.controller.runtime.keeps_all_tokens) else 0
-        # the next token's logical position: generate() numbers positions by the padding mask
-        if prompt_mask is not None:
-            positions = prompt_mask.long().sum(-1, keepdim=True)
-        else:
-            positions = torch.full((input_ids.shape[0], 1), cache.processed, dtype=torch.long, device=input_ids.device)
+        # the next token's position, in the numbering the prefill used (by the padding mask when the model's forward
+        # takes position_ids, else every column): HF's own loop numbers decode steps the same way
+        positions = cache.next_positions.to(device=input_ids.device, dtype=torch.long)
         max_length = stopping_criteria.max_length
         unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         checks: deque = deque()  # (step, pinned finished flag, pinned tokens, event), oldest first

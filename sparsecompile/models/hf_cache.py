@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
@@ -63,6 +64,10 @@ class SparseCache(Cache):
         self.controller = controller
         self.rows: list[int] = []
         self.processed = 0  # input columns seen (padding included), as DynamicCache counts them
+        # [batch, 1] the position the next token of each sequence takes: the last forward's positions + 1, in the
+        # numbering that call used (generate() numbers by the padding mask when the model's forward takes
+        # position_ids; a model whose forward does not numbers every column, padding included)
+        self.next_positions: torch.Tensor | None = None
         self.expected_new_tokens = expected_new_tokens
         self._finalizer = weakref.finalize(self, _release, weakref.ref(controller), self.rows)
 
@@ -80,6 +85,7 @@ class SparseCache(Cache):
         """Free this batch's pages now (the cache cannot be used afterwards)."""
         _release(weakref.ref(self.controller), self.rows)
         self.processed = 0
+        self.next_positions = None
 
     # ---- transformers Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -100,6 +106,7 @@ class SparseCache(Cache):
         if self.rows:
             other.rows.extend(self.controller.fork_rows(self.rows))
         other.processed = self.processed
+        other.next_positions = self.next_positions
         return other
 
     def __deepcopy__(self, memo) -> SparseCache:
@@ -122,6 +129,7 @@ class SparseCache(Cache):
         drop = self.processed - keep
         self.controller.crop_rows(self.rows, [max(0, int(c) - drop) for c in counts])
         self.processed = keep
+        self.next_positions = None  # the next forward numbers its tokens itself
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("expanding a sparsecompile cache's batch is not supported")

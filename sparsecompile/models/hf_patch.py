@@ -128,6 +128,7 @@ class PatchedModel:
                 cache.release()
             raise
         cache.processed += tokens
+        cache.next_positions = position_ids[:, -1:] + 1
         self.last_cache = cache
         use_cache = params.get("use_cache")
         if use_cache is False:
