@@ -52,8 +52,15 @@ def patched_model(model: nn.Module) -> PatchedModel:
 
 
 def cache_argument_name(model: nn.Module) -> str:
-    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x): the one the model's forward names, else
+    (a forward taking the cache through ``**kwargs``) the one this transformers' models name."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 class PatchedModel:
