@@ -66,9 +66,9 @@ def _driven(method):
     def checked(self, *args, **kwargs):
         owner = self._owner
         if owner is not None and owner[0] != threading.get_ident():
-            raise EngineBoundError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send the "
-                               f"request through it (the server's HTTP API or its AsyncEngine), or serve offline "
-                               f"work from another LLM instance")
+            raise EngineBoundError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send "
+                                   "the request through it (the server's HTTP API or its AsyncEngine), or serve "
+                                   "offline work from another LLM instance")
         return method(self, *args, **kwargs)
 
     return checked
