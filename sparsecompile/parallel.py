@@ -23,6 +23,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from torch import nn
 
 from .methods.registry import fill_text_options
 from .models.hf_patch import patched_model
+from .models.support import inspect_model
+from .models.tensor_parallel import check_head_split
 from .optimize import optimize
 from .runtime import distributed
 from .runtime.distributed import TensorParallelError
@@ -121,9 +124,29 @@ def launch(source: Any, method: str, options: dict, size: int, *, dtype: torch.d
     if cuda and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
                          f"{torch.cuda.device_count()}")
+    _check_heads_before_spawning(source, size)
     replica = Replica(source, method, options, dtype, cuda)
     workers = _spawn(replica, size, timeout, "nccl" if cuda else "gloo")
     return _build(replica, workers, size)
+
+
+def _check_heads_before_spawning(source: Any, size: int) -> None:
+    """Refuse a ``size`` that cannot split the heads before starting workers (each would load the model first): a
+    model object, or a local HF directory's config; anything else is checked by every rank."""
+    if isinstance(source, nn.Module):
+        info = inspect_model(source)
+        check_head_split(info.model_type, info.num_q_heads, info.num_kv_heads, size)
+        return
+    if source is None or not (Path(source) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, local_files_only=True)
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    q_heads = getattr(config, "num_attention_heads", None)
+    if isinstance(q_heads, int):
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        check_head_split(getattr(config, "model_type", "model"), q_heads, kv_heads, size)
 
 
 def _build(replica: Replica, workers: Any, size: int) -> TensorParallelRun:

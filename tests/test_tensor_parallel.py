@@ -172,6 +172,27 @@ def test_refusals_that_need_no_process_group():
         sparsecompile.optimize(tiny(), "vanilla", tp_size=2)
 
 
+def test_llm_refuses_indivisible_heads_before_starting_workers(tmp_path, monkeypatch):
+    """A model object or a local directory whose heads a tensor_parallel_size cannot split is refused before any
+    worker starts (each worker would load the model first, then refuse: seconds to minutes per rank)."""
+    import multiprocessing
+
+    from tiny_tokenizer import save_tiny_model, tiny_tokenizer
+
+    import sparsecompile
+    from sparsecompile import parallel
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("workers started")
+
+    monkeypatch.setattr(parallel, "_spawn", no_spawn)
+    save_tiny_model(tmp_path)
+    for source, tokenizer in ((tiny(), tiny_tokenizer()), (str(tmp_path), None)):
+        with pytest.raises(sparsecompile.UnsupportedModelError, match="cannot be split evenly over 3"):
+            sparsecompile.LLM(source, tokenizer=tokenizer, tensor_parallel_size=3)
+        assert not multiprocessing.active_children()
+
+
 def test_each_rank_fills_kvzip_lead_ins_from_the_tokenizer_it_loads(tmp_path):
     """A rank built from a path loads its own tokenizer: KVzip's repeat / continue prompts become its token ids."""
     from tiny_tokenizer import save_tiny_model

@@ -89,6 +89,16 @@ class ShardPlan:
             torch.cuda.empty_cache()  # the full weights' blocks: give them back before the KV pool is sized
 
 
+def check_head_split(model_type: str, q_heads: int, kv_heads: int, size: int) -> None:
+    """Refuse ``size`` ranks that do not divide the model's query and KV heads (also before any rank starts, when
+    the driver knows the model's config)."""
+    if kv_heads % size or q_heads % size:
+        raise UnsupportedModelError(
+            f"{model_type}: {kv_heads} KV heads and {q_heads} query heads cannot be split evenly over {size} "
+            f"tensor-parallel ranks; use a tp_size that divides {kv_heads} (sparsecompile does not replicate KV "
+            "heads across ranks)")
+
+
 def plan_tensor_parallel(model: nn.Module, info: ModelInfo, size: int, timeout: float) -> ShardPlan:
     """Join the ``size``-rank group and check that ``model`` can be split over it; changes nothing yet.
 
@@ -99,11 +109,7 @@ def plan_tensor_parallel(model: nn.Module, info: ModelInfo, size: int, timeout: 
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise UnsupportedModelError(f"{name}: the model is already sharded by transformers (tp_plan=...); load it "
                                     "without tp_plan: sparsecompile.optimize(model, tp_size=N) shards it itself")
-    if info.num_kv_heads % size or info.num_q_heads % size:
-        raise UnsupportedModelError(
-            f"{name}: {info.num_kv_heads} KV heads and {info.num_q_heads} query heads cannot be split evenly over "
-            f"{size} tensor-parallel ranks; use a tp_size that divides {info.num_kv_heads} (sparsecompile does not "
-            "replicate KV heads across ranks)")
+    check_head_split(name, info.num_q_heads, info.num_kv_heads, size)
     styles = _plan_of(model, name)
     group = distributed.join(size, timeout)
     local = dataclasses.replace(info, num_q_heads=info.num_q_heads // size, num_kv_heads=info.num_kv_heads // size,
