@@ -448,3 +448,21 @@ def test_omnikv_compiled_decode_updates_the_pool_in_place():
     # capacity] copy of it per head (47 us a layer at 128K x 4 on the H200).
     heads = compiled.config.num_key_value_heads
     assert heads > 1 and not re.findall(rf"empty_strided_\w+\(\(2, {heads}, \d*\*?s\d+\)", "".join(code))
+
+
+def test_a_one_token_continuation_is_a_prompt_like_a_longer_one():
+    """generate()'s first forward feeds its prompt, even one token long: OmniKV scores prompt tokens and always reads
+    decoded ones, so a cropped cache continued with one new token must equal a fresh run (it ran as a decode step)."""
+    _, model = tiny_pair(seed=0)
+    sparsecompile.optimize(model, "omnikv", page_size=8, budget=8, filter_layers="0", dense_below=0)
+    ids, mask = left_padded_batch((8, 19, 23), seed=87)
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True, **kwargs)
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    cache.crop(ids.shape[1])
+    more = torch.randint(3, 95, (3, 1), generator=torch.Generator().manual_seed(87))
+    full, full_mask = torch.cat([ids, more], 1), torch.cat([mask, torch.ones_like(more)], 1)
+    name = patched_model(model).cache_name
+    continued = model.generate(full, attention_mask=full_mask, max_new_tokens=4, **{name: cache}, **kwargs)
+    cache.release()
+    assert torch.equal(continued, model.generate(full, attention_mask=full_mask, max_new_tokens=4, **kwargs))

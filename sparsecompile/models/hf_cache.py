@@ -68,6 +68,7 @@ class SparseCache(Cache):
         # numbering that call used (generate() numbers by the padding mask when the model's forward takes
         # position_ids; a model whose forward does not numbers every column, padding included)
         self.next_positions: torch.Tensor | None = None
+        self.prompt_pending = False  # the next forward feeds a prompt (generate()'s first), even a 1-token one
         self.expected_new_tokens = expected_new_tokens
         self._finalizer = weakref.finalize(self, _release, weakref.ref(controller), self.rows)
 

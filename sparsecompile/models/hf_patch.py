@@ -136,6 +136,7 @@ class PatchedModel:
             raise
         cache.processed += tokens
         cache.next_positions = position_ids[:, -1:] + 1
+        cache.prompt_pending = False
         self.last_cache = cache
         use_cache = params.get("use_cache")
         if use_cache is False:
@@ -148,7 +149,7 @@ class PatchedModel:
         c = self.controller
         batch, tokens = position_ids.shape
         decode = (cache.is_allocated and cache.processed > 0 and tokens == 1 and inputs_embeds is None
-                  and bool(valid.all()))
+                  and not cache.prompt_pending and bool(valid.all()))
         if decode:
             if batch != len(cache.rows):
                 raise ValueError(f"the cache holds {len(cache.rows)} sequences but the input has {batch}")
@@ -188,6 +189,9 @@ class PatchedModel:
         for name in ("past_key_values", "cache"):
             kwargs.pop(name, None)
         kwargs[self.cache_name] = cache
+        # generate()'s first forward feeds its prompt (a continuation's new tokens): a prompt even when it is one
+        # token, as it is when it is several (a method compresses it, OmniKV scores it), not a decode step
+        cache.prompt_pending = True
         model_config = getattr(self.orig_generate.__self__, "generation_config", None)
         if kwargs.get("custom_generate") is None and _own_loop_applies(kwargs, model_config):
             # HF prepares, our loop decodes (models/fast_generate.py). HF hands a custom decoding method neither the
