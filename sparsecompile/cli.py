@@ -15,14 +15,8 @@ import argparse
 import sys
 
 from .cli_commands import COMMANDS, check_generate, cmd_bench
-from .config import (
-    DTYPE_NAMES,
-    EngineConfig,
-    ServerConfig,
-    ServingConfig,
-    add_arguments,
-    parse_bool,
-)
+from .cli_flags import add_arguments, parse_bool
+from .config import DTYPE_NAMES, EngineConfig, ServerConfig, ServingConfig
 
 
 class _Parser(argparse.ArgumentParser):

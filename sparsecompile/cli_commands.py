@@ -11,7 +11,8 @@ import os
 import sys
 import time
 
-from .config import EngineConfig, ServerConfig, ServingConfig, dtype_attribute, field_names, given
+from .cli_flags import given
+from .config import EngineConfig, ServerConfig, ServingConfig, dtype_attribute, field_names
 
 
 def given_options(args: argparse.Namespace, *configs: type) -> dict:
