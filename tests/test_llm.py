@@ -129,7 +129,7 @@ def test_stop_strings_stop_tokens_and_lengths():
 def test_text_is_decoded_after_the_prompt_as_vllm_does():
     """A tokenizer whose decoder puts the space between words (SentencePiece's leading-space marks, word-level
     decoders) gives the first token's space in the text: ``prompt + text`` is the whole sequence decoded (what
-    ``echo`` returns), streamed or not; a stop string never matches across into the prompt."""
+    ``echo`` returns); a stop string never matches across into the prompt."""
     from tiny_tokenizer import tiny_tokenizer
 
     _, candidate = tiny_pair("llama")
