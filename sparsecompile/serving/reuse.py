@@ -266,6 +266,9 @@ class KVReuse:
             raise ValueError("fork_chain needs a new chain id")
         while len(self.chains) >= self.max_idle_chains:  # a row for the fork
             oldest = self.chains.oldest(protect=chain)
+            if oldest is None:  # the source is the only idle chain: nothing to reclaim for the fork's row
+                raise ValueError(f"max_idle_chains={self.max_idle_chains} leaves no row for a fork beside {source!r}; "
+                                 "serve with a larger max_idle_chains")
             self._drop(self.chains.remove(oldest.chain_id, "reclaimed"))
             self.counters.chains_reclaimed += 1
         row = self.controller.fork_rows([chain.row])[0]
