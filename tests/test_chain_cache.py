@@ -192,7 +192,8 @@ def test_forked_chains_continue_independently_and_cancellation_invalidates():
 
 def test_a_fork_without_a_row_to_reclaim_is_refused_and_changes_nothing():
     """With ``max_idle_chains=1`` the source is the only idle chain and nothing can be reclaimed for the fork's row:
-    a clear error (an AttributeError before), and the source continues as if nothing happened."""
+    a clear error (an AttributeError before); a fork onto an existing chain is refused too. The source continues as
+    if nothing happened."""
     reference, candidate = tiny_pair()
     sparsecompile.optimize(reference, "vanilla", **ENGINE)
     llm = LLM(candidate, "vanilla", tokenizer=DigitTokenizer(), max_idle_chains=1, **SERVING, **ENGINE)
@@ -200,5 +201,7 @@ def test_a_fork_without_a_row_to_reclaim_is_refused_and_changes_nothing():
     out = llm.generate([first], GREEDY, use_tqdm=False, chain_ids=["main"])[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="max_idle_chains=1 leaves no row for a fork beside 'main'"):
         llm.fork_chain("main", "branch")
+    with pytest.raises(ValueError, match="chain 'main' already exists .idle.; fork_chain needs a new chain id"):
+        llm.fork_chain("main", "main")  # nor onto an existing chain, which it would have replaced
     again = llm.generate([first + out + more], GREEDY, use_tqdm=False, chain_ids=["main"])[0]
     assert again.metrics.chain_hit and again.outputs[0].token_ids == generate_turns(reference, [first, more])[1]

@@ -262,8 +262,10 @@ class KVReuse:
         chain = self.chains.idle.get(source)
         if chain is None:
             raise KeyError(f"no idle chain {source!r} to fork (unknown, running, or reclaimed)")
-        if source == chain_id:
-            raise ValueError("fork_chain needs a new chain id")
+        if chain_id in self.chains.idle or self.chains.active.get(chain_id):
+            state = "idle" if chain_id in self.chains.idle else "in use"
+            raise ValueError(f"chain {chain_id!r} already exists ({state}); fork_chain needs a new chain id "
+                             "(drop_chain it first to replace it)")
         while len(self.chains) >= self.max_idle_chains:  # a row for the fork
             oldest = self.chains.oldest(protect=chain)
             if oldest is None:  # the source is the only idle chain: nothing to reclaim for the fork's row
