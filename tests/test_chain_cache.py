@@ -203,5 +203,10 @@ def test_a_fork_without_a_row_to_reclaim_is_refused_and_changes_nothing():
         llm.fork_chain("main", "branch")
     with pytest.raises(ValueError, match="chain 'main' already exists .idle.; fork_chain needs a new chain id"):
         llm.fork_chain("main", "main")  # nor onto an existing chain, which it would have replaced
+    llm.llm_engine.add_request("first-turn", more, GREEDY, chain_id="other")  # not finished: "other" is taken
+    with pytest.raises(ValueError, match="chain 'other' belongs to a request that has not finished"):
+        llm.fork_chain("main", "other")
+    llm.llm_engine.abort_request("first-turn")
+    llm.llm_engine.step()
     again = llm.generate([first + out + more], GREEDY, use_tqdm=False, chain_ids=["main"])[0]
     assert again.metrics.chain_hit and again.outputs[0].token_ids == generate_turns(reference, [first, more])[1]

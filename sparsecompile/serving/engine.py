@@ -257,6 +257,10 @@ class LLMEngine(StepForwards):
     def fork_chain(self, source: str, chain_id: str) -> None:
         """Branch a conversation: the idle chain ``source`` is copied (pages shared copy-on-write) to a new idle
         chain ``chain_id``; continuing one never changes the other."""
+        queued = (*self.scheduler.running, *self.scheduler.waiting)
+        if any(r.chain_id == chain_id for r in queued):  # its finish would park its state under that id
+            raise ValueError(f"chain {chain_id!r} belongs to a request that has not finished; fork_chain needs a new "
+                             "chain id")
         self.reuse.fork_chain(source, chain_id)
 
     @_driven
