@@ -51,6 +51,27 @@ def test_foreign_cache_refused():
         model.generate(input_ids=ids, max_new_tokens=2, past_key_values=DynamicCache())
 
 
+def test_another_models_cache_is_refused_before_it_reads_this_pool():
+    """A SparseCache names rows of its own model's pool: passed to another patched model whose row 0 is live (here a
+    cache of its own, held), it would have continued that other sequence's KV."""
+    _, first = tiny_pair(seed=1)
+    _, second = tiny_pair(seed=2)
+    sparsecompile.optimize(first)
+    sparsecompile.optimize(second)
+    ids = torch.randint(3, 96, (1, 5))
+    theirs = first.generate(ids, max_new_tokens=2, return_dict_in_generate=True)
+    ours = second.generate(ids, max_new_tokens=2, return_dict_in_generate=True)  # row 0 of second's pool
+    foreign = theirs["cache"] if "cache" in theirs else theirs["past_key_values"]
+    name = patched_model(second).cache_name
+    longer = torch.cat([theirs.sequences, ids], 1)
+    with pytest.raises(ValueError, match="holds another model's sequences"):
+        second.generate(longer, max_new_tokens=2, **{name: foreign})
+    with pytest.raises(ValueError, match="holds another model's sequences"):
+        second(longer[:, -1:], **{name: foreign})
+    for out in (theirs, ours):
+        (out["cache"] if "cache" in out else out["past_key_values"]).release()
+
+
 def test_beam_search_refused():
     _, model = tiny_pair()
     sparsecompile.optimize(model)

@@ -88,6 +88,16 @@ class PatchedModel:
         out = self.orig_forward(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
         return out.logits
 
+    def _check_cache(self, cache: Any, hint: str) -> None:
+        """A cache passed in must be a SparseCache of this model's controller (its rows index this pool)."""
+        if cache is None:
+            return
+        if not isinstance(cache, SparseCache):
+            raise TypeError(f"sparsecompile manages the KV cache itself; got a {type(cache).__name__}. {hint}")
+        if cache.controller is not self.controller:
+            raise ValueError("this SparseCache holds another model's sequences (or this model was optimize()d again "
+                             f"since): its rows would name other sequences of this model's KV pool. {hint}")
+
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         bound = self.signature.bind_partial(*args, **kwargs)
@@ -104,9 +114,8 @@ class PatchedModel:
             raise ValueError("output_hidden_states is not supported by sparsecompile's patched forward")
         input_ids, inputs_embeds = params.get("input_ids"), params.get("inputs_embeds")
         cache = params.get("cache") if params.get("cache") is not None else params.get("past_key_values")
-        if cache is not None and not isinstance(cache, SparseCache):
-            raise TypeError(f"sparsecompile manages the KV cache itself; got a {type(cache).__name__}. Pass no cache "
-                            "(generate() creates a SparseCache) or a SparseCache returned by this model")
+        self._check_cache(cache, "Pass no cache (generate() creates a SparseCache) or a SparseCache returned by this "
+                                 "model")
         transient = cache is None
         if transient:
             cache = SparseCache(self.controller)
@@ -178,9 +187,7 @@ class PatchedModel:
         args, kwargs = checked.args, checked.kwargs
         cache = next((kwargs[k] for k in (self.cache_name, "past_key_values", "cache") if kwargs.get(k) is not None),
                      None)
-        if cache is not None and not isinstance(cache, SparseCache):
-            raise TypeError(f"sparsecompile manages the KV cache itself; got a {type(cache).__name__}. Call generate() "
-                            "without a cache, or pass a SparseCache returned by a previous call")
+        self._check_cache(cache, "Call generate() without a cache, or pass a SparseCache returned by a previous call")
         created = cache is None
         if created:
             cache = SparseCache(self.controller, expected_new_tokens=_expected_new_tokens(kwargs))
