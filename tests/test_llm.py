@@ -299,3 +299,16 @@ def test_an_engine_served_by_the_server_refuses_other_threads_until_the_server_s
         assert served["choices"][0]["text"] == "".join(f"{t} " for t in before)
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
     assert llm.llm_engine.stats().free_pages == llm.llm_engine.stats().total_pages
+
+
+def test_an_llm_whose_model_was_optimized_again_says_so():
+    """Two LLMs over one model object: the second optimizes it again, which closes the first one's KV pool. The first
+    then refuses with the reason (an AssertionError from deep in the prefill before) and the second serves."""
+    reference, candidate = tiny_pair("llama")
+    first = LLM(candidate, tokenizer=DigitTokenizer(), page_size=4)
+    second = LLM(candidate, "snapkv", tokenizer=DigitTokenizer(), page_size=4, budget=64)
+    prompt = prompts_of([9])[0]
+    with pytest.raises(RuntimeError, match=r"was restore\(\)d or optimize\(\)d again"):
+        first.generate([prompt], GREEDY, use_tqdm=False)
+    got = second.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == reference_tokens(reference, [prompt], GREEDY.max_tokens)[0]

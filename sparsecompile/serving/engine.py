@@ -60,10 +60,15 @@ class EngineBoundError(RuntimeError):
 
 
 def _driven(method):
-    """An engine method that changes state: refused from any thread but the one bound by ``bind_thread``."""
+    """An engine method that changes state: refused from any thread but the one bound by ``bind_thread``, and once
+    the model's patch was undone (``restore()``, or the model optimized again, e.g. by another ``LLM``)."""
 
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
+        if self.controller.manager is None:
+            raise RuntimeError("this engine's model was restore()d or optimize()d again (another LLM over the same "
+                               "model object, or optimize()), which closed the KV pool it serves from: make a new LLM "
+                               "(one LLM per model object at a time)")
         owner = self._owner
         if owner is not None and owner[0] != threading.get_ident():
             raise EngineBoundError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send "
