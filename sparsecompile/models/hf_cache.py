@@ -31,8 +31,11 @@ class _LogicalLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        # The patched forward never passes this cache into the model: K/V go to the pool through attention.
-        return key_states, value_states
+        # The patched forward never passes this cache into the model (K/V go to the pool through attention): only a
+        # model that is not patched (any more) gets here, and its attention would read no history.
+        raise RuntimeError("a SparseCache works only with the sparsecompile-patched model it came from; this model "
+                           "is not patched (restore()d?): generate without the cache, or optimize() the model again "
+                           "and start a new one")
 
     def get_seq_length(self) -> int:
         owner = self._owner()
