@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import OPTION_KINDS, ServingConfig, dtype_attribute
 from .methods.registry import fill_text_options
-from .serving.engine import EngineBoundError, LLMEngine
+from .serving.engine import EngineUnavailableError, LLMEngine
 from .serving.outputs import RequestOutput, SamplingParams
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -209,7 +209,7 @@ class LLM:
                 else:
                     engine.add_request(request_id, token_ids, p, prompt_text=text, **extra)
             return self._run(engine, ids, use_tqdm)
-        except EngineBoundError:  # another thread drives the engine: nothing of ours was queued
+        except EngineUnavailableError:  # another thread drives the engine, or its pool closed: nothing was queued
             raise
         except BaseException:
             for request_id in ids:  # leave nothing queued or allocated behind

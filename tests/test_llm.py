@@ -286,13 +286,13 @@ def test_an_engine_served_by_the_server_refuses_other_threads_until_the_server_s
     from fastapi.testclient import TestClient
 
     from sparsecompile.server import create_app
-    from sparsecompile.serving.engine import EngineBoundError
+    from sparsecompile.serving.engine import EngineUnavailableError
 
     _, llm = tiny_llm()
     prompt = prompts_of([9])[0]
     before = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with TestClient(create_app(llm.llm_engine, "tiny"), base_url="http://localhost") as client:
-        with pytest.raises(EngineBoundError, match="driven by the server's engine thread"):
+        with pytest.raises(EngineUnavailableError, match="driven by the server's engine thread"):
             llm.generate([prompt], GREEDY, use_tqdm=False)
         served = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
                                                       "temperature": 0}).json()
@@ -308,7 +308,9 @@ def test_an_llm_whose_model_was_optimized_again_says_so():
     first = LLM(candidate, tokenizer=DigitTokenizer(), page_size=4)
     second = LLM(candidate, "snapkv", tokenizer=DigitTokenizer(), page_size=4, budget=64)
     prompt = prompts_of([9])[0]
-    with pytest.raises(RuntimeError, match=r"was restore\(\)d or optimize\(\)d again"):
+    from sparsecompile.serving.engine import EngineUnavailableError
+
+    with pytest.raises(EngineUnavailableError, match=r"was restore\(\)d or optimize\(\)d again"):
         first.generate([prompt], GREEDY, use_tqdm=False)
     got = second.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert got == reference_tokens(reference, [prompt], GREEDY.max_tokens)[0]

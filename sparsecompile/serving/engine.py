@@ -55,8 +55,9 @@ from .step_forwards import StepForwards
 SERVING_PREFILL_CHUNK = 8192  # tokens per step when neither max_num_batched_tokens nor prefill_chunk_size is set
 
 
-class EngineBoundError(RuntimeError):
-    """The engine was called from a thread other than the one bound to it (see ``LLMEngine.bind_thread``)."""
+class EngineUnavailableError(RuntimeError):
+    """The engine was called from a thread other than the one bound to it (see ``LLMEngine.bind_thread``), or after
+    its model's patch was undone; nothing was changed."""
 
 
 def _driven(method):
@@ -66,14 +67,15 @@ def _driven(method):
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
         if self.controller.manager is None:
-            raise RuntimeError("this engine's model was restore()d or optimize()d again (another LLM over the same "
-                               "model object, or optimize()), which closed the KV pool it serves from: make a new LLM "
-                               "(one LLM per model object at a time)")
+            raise EngineUnavailableError(
+                "this engine's model was restore()d or optimize()d again (another LLM over the same model object, or "
+                "optimize()), which closed the KV pool it serves from: make a new LLM (one LLM per model object at a "
+                "time)")
         owner = self._owner
         if owner is not None and owner[0] != threading.get_ident():
-            raise EngineBoundError(f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send "
-                                   "the request through it (the server's HTTP API or its AsyncEngine), or serve "
-                                   "offline work from another LLM instance")
+            raise EngineUnavailableError(
+                f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send the request through it "
+                "(the server's HTTP API or its AsyncEngine), or serve offline work from another LLM instance")
         return method(self, *args, **kwargs)
 
     return checked
