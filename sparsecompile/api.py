@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -47,6 +49,18 @@ def retained_positions(target: nn.Module | SparseCache, layer: int) -> list[list
     return [controller.manager.retained_positions(row, layer) for row in rows]
 
 
+def _check_token_ids(name: str, ids: Any, vocab: int | None) -> None:
+    """A ``[batch, tokens]`` integer tensor of at least one token, every id in ``[0, vocab)``."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] == 0 or ids.is_floating_point() \
+            or ids.dtype == torch.bool:
+        got = f"a {ids.dim()}-D {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) \
+            else type(ids).__name__
+        raise ValueError(f"{name} must be a [batch, tokens] tensor of integer token ids with at least one token, got "
+                         f"{got} (one sequence: ids[None])")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{name} holds ids outside the model's vocabulary [0, {vocab})")
+
+
 def compress(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              question_ids: torch.Tensor | None = None) -> SparseCache:
     """Run a context through ``model``'s sparse method once and return its cache, to answer several questions.
@@ -66,9 +80,15 @@ def compress(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     query-aware keeps what one known question needs and serves that question (or close ones) best.
     """
     patched = patched_model(model)
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    _check_token_ids("input_ids", input_ids, vocab)
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match input_ids "
+                         f"{tuple(input_ids.shape)} (1 for tokens, 0 for left padding)")
     context = input_ids.shape[1]
     ids, mask = input_ids, attention_mask
     if question_ids is not None:
+        _check_token_ids("question_ids", question_ids, vocab)
         if question_ids.shape[0] != input_ids.shape[0]:
             raise ValueError(f"question_ids has {question_ids.shape[0]} rows for a batch of {input_ids.shape[0]}")
         ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=1)
@@ -84,7 +104,7 @@ def compress(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             valid = (mask[:, :context].sum(1) if mask is not None
                      else torch.full((ids.shape[0],), context)).tolist()
             patched.controller.drop_positions(cache.rows, [int(v) for v in valid])  # positions count valid tokens
-            cache.processed = context
+            cache.processed, cache.next_positions = context, None  # the question's positions are gone
     except BaseException:
         cache.release()
         raise

@@ -219,3 +219,21 @@ def test_serving_flags_are_checked(options, match):
 
     with pytest.raises(MethodConfigError, match=match):
         ServingConfig(**options)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(input_ids=torch.arange(3, 23)), "must be a .batch, tokens. tensor of integer token ids.*1-D"),
+    (dict(input_ids=torch.ones(2, 20)), "float32"),
+    (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), "at least one token"),
+    (dict(input_ids=torch.full((2, 20), 500)), r"outside the model's vocabulary \[0, 96\)"),
+    (dict(input_ids=torch.ones(2, 20, dtype=torch.long), attention_mask=torch.ones(2, 5)), "must match input_ids"),
+    (dict(input_ids=torch.ones(2, 20, dtype=torch.long), question_ids=torch.ones(2, 0, dtype=torch.long)),
+     "question_ids must be"),
+], ids=["1-D", "float", "empty", "out of vocabulary", "mask shape", "empty question"])
+def test_compress_says_what_is_wrong_with_its_inputs_and_holds_nothing(args, match):
+    _, model = tiny_pair()
+    sparsecompile.optimize(model, "snapkv", budget=8, window=2)
+    with pytest.raises(ValueError, match=match):
+        sparsecompile.compress(model, **args)
+    manager = patched_model(model).controller.manager
+    assert manager is None or manager.allocator.num_free == manager.num_pages
