@@ -281,19 +281,23 @@ def test_a_capped_prompt_budget_beside_decodes_keeps_the_tokens():
 
 
 def test_an_engine_served_by_the_server_refuses_other_threads_until_the_server_stops():
-    """The server's engine thread binds the (not thread-safe) engine: an ``LLM.generate`` from another thread gets
-    a clear error instead of racing its steps (which crashed the server's thread or mixed requests' state)."""
+    """The server's engine thread binds the (not thread-safe) engine and its pool: an ``LLM.generate`` or the patched
+    model's ``generate()`` from another thread gets a clear error instead of racing its steps (which crashed the
+    server's thread or mixed requests' state)."""
     from fastapi.testclient import TestClient
 
     from sparsecompile.server import create_app
     from sparsecompile.serving.engine import EngineUnavailableError
 
-    _, llm = tiny_llm()
+    _, model = tiny_pair("llama")
+    llm = LLM(model, tokenizer=DigitTokenizer(), max_num_seqs=4, page_size=4)
     prompt = prompts_of([9])[0]
     before = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with TestClient(create_app(llm.llm_engine, "tiny"), base_url="http://localhost") as client:
         with pytest.raises(EngineUnavailableError, match="driven by the server's engine thread"):
             llm.generate([prompt], GREEDY, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="KV pool is driven by the server's engine thread"):
+            model.generate(torch.tensor([prompt]), max_new_tokens=2)  # the same pool, through the patched model
         served = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
                                                       "temperature": 0}).json()
         assert served["choices"][0]["text"] == "".join(f"{t} " for t in before)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from typing import Any
 
@@ -88,6 +89,13 @@ class PatchedModel:
         out = self.orig_forward(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
         return out.logits
 
+    def _check_thread(self) -> None:
+        """A serving engine's thread may own the pool (``LLMEngine.bind_thread``): other threads must not touch it."""
+        owner = self.controller.owner
+        if owner is not None and owner[0] != threading.get_ident():
+            raise RuntimeError(f"this model's KV pool is driven by {owner[1]} (not thread-safe): send the request "
+                               "through the server, or call the model after the server stopped")
+
     def _check_cache(self, cache: Any, hint: str) -> None:
         """A cache passed in must be a SparseCache of this model's controller (its rows index this pool)."""
         if cache is None:
@@ -100,6 +108,7 @@ class PatchedModel:
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        self._check_thread()
         bound = self.signature.bind_partial(*args, **kwargs)
         params = dict(bound.arguments)
         params.update(params.pop("kwargs", {}) or {})
@@ -183,6 +192,7 @@ class PatchedModel:
 
     # ------------------------------------------------------------------ generate
     def generate(self, *args, **kwargs):
+        self._check_thread()
         checked = check_generate_arguments(self.model_ref(), self.generate_signature, args, kwargs, self.max_length)
         args, kwargs = checked.args, checked.kwargs
         cache = next((kwargs[k] for k in (self.cache_name, "past_key_values", "cache") if kwargs.get(k) is not None),

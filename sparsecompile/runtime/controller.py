@@ -53,6 +53,8 @@ class SparseController(RowOperations, PromptForward, MixedForward):
         self.manager: CacheManager | None = None
         self.step: StepState | MixedStep | None = None
         self.attention_calls = 0  # eager calls of attend(); the capture check reads it
+        # (thread id, description) of the one thread that may drive this pool (a server's engine thread), or None
+        self.owner: tuple[int, str] | None = None
         self._decode_steps: dict[int, StepState] = {}  # by batch size
         self._compiled_decode: Callable | None = None
         self._compiled_shapes: set[tuple] = set()  # (batch, max_seqs, variant) compiled so far (pages: dynamic dims)

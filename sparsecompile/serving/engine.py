@@ -71,7 +71,7 @@ def _driven(method):
                 "this engine's model was restore()d or optimize()d again (another LLM over the same model object, or "
                 "optimize()), which closed the KV pool it serves from: make a new LLM (one LLM per model object at a "
                 "time)")
-        owner = self._owner
+        owner = self.controller.owner
         if owner is not None and owner[0] != threading.get_ident():
             raise EngineUnavailableError(
                 f"this LLMEngine is driven by {owner[1]} (the engine is not thread-safe): send the request through it "
@@ -164,14 +164,14 @@ class LLMEngine(StepForwards):
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self._default_seeds = 0  # requests seeded from config.seed so far
-        self._owner: tuple[int, str] | None = None  # (thread id, description) of the bound driver thread
 
     # ------------------------------------------------------------------ requests
     def bind_thread(self, owner: str | None) -> None:
         """From now on only the calling thread (described by ``owner`` in errors) may change the engine: requests,
         steps, chains, prunes; None unbinds. A server's engine thread binds itself, so an ``LLM.generate`` from
-        another thread gets a clear error instead of racing it."""
-        self._owner = None if owner is None else (threading.get_ident(), owner)
+        another thread gets a clear error instead of racing it (so does the patched model's ``generate()`` / forward:
+        the binding is the controller's)."""
+        self.controller.owner = None if owner is None else (threading.get_ident(), owner)
 
     @_driven
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
