@@ -31,7 +31,7 @@ from torch import nn
 
 from .methods.registry import fill_text_options
 from .models.hf_patch import patched_model
-from .models.support import inspect_model
+from .models.support import decoder_config, inspect_model
 from .models.tensor_parallel import check_head_split
 from .optimize import optimize
 from .runtime import distributed
@@ -141,8 +141,7 @@ def _check_heads_before_spawning(source: Any, size: int) -> None:
         return
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(source, local_files_only=True)
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = decoder_config(AutoConfig.from_pretrained(source, local_files_only=True))
     q_heads = getattr(config, "num_attention_heads", None)
     if isinstance(q_heads, int):
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads

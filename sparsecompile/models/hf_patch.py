@@ -218,6 +218,7 @@ class PatchedModel:
         try:
             out = self.orig_generate(*args, **kwargs)
         except BaseException:
+            cache.prompt_pending = False  # a later direct forward of one token is a decode step again
             if created:
                 cache.release()
             raise

@@ -28,7 +28,11 @@ _REFUSED_MODEL_TYPES = {
 
 
 def text_config(model: nn.Module):
-    config = model.config
+    return decoder_config(model.config)
+
+
+def decoder_config(config):
+    """The language model's part of a (possibly multimodal) config."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
