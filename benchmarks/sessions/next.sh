@@ -249,6 +249,12 @@ mixed)  # #13 item 6 (one forward per mixed step) and the KIVI in-place commit: 
     --out "$OUT" --tag _h200_mixed > "$OUT/burst_mixed.log" 2>&1; echo "burst rc=$?"; tail -4 "$OUT/burst_mixed.log"
   timeout -s INT 60 python3 benchmarks/serving_burst.py --modes capped --while-decoding 256 --out "$OUT" \
     --tag _h200_mixed256 > "$OUT/burst_mixed256.log" 2>&1; echo "256 rc=$?"; tail -2 "$OUT/burst_mixed256.log" ;;
+kivi_lean)  # #20 (2026-12-05): the lean Gluon kernel in the package: every KIVI GPU test, then the 128K x 4 points (~8 min)
+  timeout -s INT 220 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_lean_full.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_lean_full.log" | tail -6
+  timeout -s INT 300 python3 benchmarks/kivi_bench.py --stage points \
+    --points vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4 --out "$OUT/kivi_lean_h200.jsonl" > "$OUT/kivi_lean.log" 2>&1
+  echo "rc=$?"; grep -v "^{" "$OUT/kivi_lean.log" | tail -8; grep '"tok_s"' "$OUT/kivi_lean_h200.jsonl" | cut -c1-220 ;;
 kivi_fix)  # #20 after the in-place commit: the 128K x 4 points
   timeout 400 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4,snapkv+kivi:131072x4,kivi2:32768x1 \
     --out "$OUT/kivi_h200_b.jsonl" > "$OUT/kivi_b.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_b.log" | tail -12

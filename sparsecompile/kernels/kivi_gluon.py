@@ -10,8 +10,9 @@ layout the kernel names (one warp a program, no cross-warp reduction):
   ``x & (3 << 2j) * 0x00010001`` is two exact floats ``code * 4^j * 2^-133`` (4 bits: ``15 << 4j``, ``16^j``) —
   one instruction a pair, no conversion arithmetic (:data:`_PLANES`);
 * the missing factors go to the other operand: the keys' per-channel scales, ``4^-j`` and a lift of ``2^100`` into
-  the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities;
-  logits come out in units of ``2^-33`` (folded into the ``exp2``), the output's ``2^(33 - 2j)`` once at the end;
+  the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities
+  (lifted by ``2^80``, :data:`P_LIFT`);
+  logits come out in units of ``2^-33`` (folded into the ``exp2``), the output's ``2^(53 - 2j)`` once at the end;
   the keys' zeros by one MMA of the broadcast zeros against ``q * 2^-33``; the values' zeros' shares
   ``sum_s p_s zero_s`` of the four chunks and the softmax sum ``sum_s p_s`` by one more MMA a group (an A tile of
   the group's value zeros and a row of ones against the bf16 probabilities; per-thread partials before: 205
@@ -49,6 +50,12 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 #: 16 the fastest at 32K x 16, 128K x 1 and 128K x 4 (3 x 12 at 32K x 1); register caps of 144 or 128, which fit
 #: 13-16 programs an SM instead of 12, 10-25 % slower: each warp's own overlap counts more than their number).
 #: ``min_groups``: the fewest key groups a split holds (fewer splits at short lists).
+#: The probabilities' lift ``2^P_LIFT`` (bf16 MMA operands against codes at ``2^-133``): a product ``p * scale *
+#: code`` stays a normal fp32 down to ``p * scale * code ~ 2^-73``, and a split's zero-share sum ``sum_s p_s *
+#: zero_s * 2^P_LIFT`` overflows fp32 only past ``2^48`` (at 2^100, the earlier lift, a value zero of 2^11 over a
+#: 128K-token split did).
+P_LIFT = 80
+
 KIVI_GLUON_CONFIG = {2: {"stages": 3, "programs_per_sm": 12, "min_groups": 4},
                      4: {"stages": 4, "programs_per_sm": 16, "min_groups": 4}}
 
@@ -72,6 +79,8 @@ if gluon is not None:
     # Triton 3.6 names the copy async_copy_global_to_shared and the barrier thread_barrier; 3.7+ async_load, barrier
     _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    _LIFT = gl.constexpr(float(P_LIFT))
+    _UNLIFT = gl.constexpr(2.0 ** -P_LIFT)
 
     # bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
     _PLANES = gl.constexpr(
@@ -152,9 +161,9 @@ if gluon is not None:
 
     @gluon.jit
     def _row(sums, j: gl.constexpr):
-        """Row ``j`` of the ``[16, R]`` sums tile, ``2^-100`` undoing the probabilities' lift."""
+        """Row ``j`` of the ``[16, R]`` sums tile, ``2^-P_LIFT`` undoing the probabilities' lift."""
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, sums.type.layout))
-        return gl.sum(gl.where(rows[:, None] == j, sums, 0.0), axis=0) * 7.888609052210118e-31
+        return gl.sum(gl.where(rows[:, None] == j, sums, 0.0), axis=0) * _UNLIFT
 
     @gluon.jit
     def _finish(acc, sums, j: gl.constexpr, lift, inv):
@@ -173,7 +182,7 @@ if gluon is not None:
         groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last one the
         residual's); ``WRITE_LOGITS`` (one query a sequence): every quantized slot's natural-log logit (-inf where
         masked) to ``LOGITS [batch, q_heads, logits_span]``. ``U_j``: chunk ``j``'s query lift ``2^(100 - s_j)``,
-        ``L_j`` its output's ``2^(33 - s_j)`` (``s_j`` the chunk's bit offset in a byte)."""
+        ``L_j`` its output's ``2^(133 - P_LIFT - s_j)`` (``s_j`` the chunk's bit offset in a byte)."""
         G: gl.constexpr = 32
         C: gl.constexpr = 32
         B: gl.constexpr = 32 * BITS // 2
@@ -216,7 +225,7 @@ if gluon is not None:
         z3 = (q3.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
         mr = gl.arange(0, R, layout=gl.SliceLayout(0, mma))
         rok = mr < num_queries * GROUP
-        qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1)
+        qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1).to(gl.int32)  # slots' dtype
         # visible: a token (position >= 0), not in the future, inside a sliding window (transformers' convention)
         qlo = gl.where(window > 0, qpos - window, -1)
         lrow = (b * (KV_HEADS * GROUP) + h * GROUP + mr).to(gl.int64) * logits_span  # WRITE_LOGITS: rows = heads
@@ -244,12 +253,12 @@ if gluon is not None:
             _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(i), kss.index(i), kzs.index(i), vcs.index(i),
                    vss.index(i), vzs.index(i), pss.index(i), page, h, first + i < last, KV_HEADS, B)
         ahead = gl.load(pages + gl.minimum(first + STAGES - 1, gl.maximum(last - 1, 0))).to(gl.int64)
+        st = 0  # the stage of group grp; ns: the one refilled (group grp - 1's), carried instead of two modulos
+        ns = STAGES - 1
         for grp in range(first, last):
-            st = (grp - first) % STAGES
             async_copy.wait_group(STAGES - 2)  # this group's copies landed (this thread's) ...
             _barrier()  # ... and every lane's; every lane is done with the stage refilled next
             nxt = grp + STAGES - 1
-            ns = (nxt - first) % STAGES
             _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(ns), kss.index(ns), kzs.index(ns), vcs.index(ns),
                    vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt < last, KV_HEADS, B)
             ahead = gl.load(pages + gl.minimum(nxt + 1, last - 1)).to(gl.int64)  # the page a group ahead
@@ -267,16 +276,15 @@ if gluon is not None:
             sc = mma_v2(k1, u1 * ksm.slice(C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
             sc = mma_v2(k2, u2 * ksm.slice(2 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
             sc = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
-            s = sz + sc
             kpos = pss.index(st).load(gl.SliceLayout(1, mma))
             vis = (kpos[:, None] > qlo[None, :]) & (kpos[:, None] <= qpos[None, :])
-            s = gl.where(vis, s * 8589934592.0, float("-inf"))  # base-2 logits (2^33: the codes' units)
+            s = gl.where(vis, sz + sc, float("-inf"))  # base-2 logits in units of 2^-33 (the codes')
             if WRITE_LOGITS:  # natural units; a page is one group, so the list's slots grp * G ..
-                gl.store(LOGITS + lrow[None, :] + (grp * G + lslot)[:, None], s * 0.6931471805599453,
+                gl.store(LOGITS + lrow[None, :] + (grp * G + lslot)[:, None], s * 5954088943.639144,
                          mask=rok[None, :])
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0) * 8589934592.0)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - (m_use - 100.0)[None, :])  # p * 2^100 (the lift undone at the end)
+            p = gl.exp2(s * 8589934592.0 - (m_use - _LIFT)[None, :])  # p * 2^P_LIFT by one FMA (undone at the end)
             if gl.max(gl.where(m_new > m_i, 1, 0), axis=0) > 0:  # a row's max rose: rescale (rarely after the start)
                 alpha = gl.exp2(m_i - m_use)
                 a = alpha[None, :]
@@ -291,6 +299,8 @@ if gluon is not None:
             o1 = _values(o1, v1, pb, vsm.slice(G, G))
             o2 = _values(o2, v2, pb, vsm.slice(2 * G, G))
             o3 = _values(o3, v3, pb, vsm.slice(3 * G, G))
+            ns = st
+            st = gl.where(st == STAGES - 1, 0, st + 1)
         async_copy.wait_group(0)
         l_i = _row(sums, 4)
         inv = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
@@ -337,4 +347,4 @@ def launch_constants(bits: int, with_logits: bool) -> dict:
     shifts = [(32 * j // (128 * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
     return {"STAGES": KIVI_GLUON_CONFIG[bits]["stages"], "BITS": bits, "WRITE_LOGITS": with_logits,
             **{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
-            **{f"L{j}": 2.0 ** (33 - sh) for j, sh in enumerate(shifts)}}
+            **{f"L{j}": 2.0 ** (133 - P_LIFT - sh) for j, sh in enumerate(shifts)}}
