@@ -39,6 +39,13 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+# 2026-12-05 eighteenth session: device lent. kivi_pipe (lean 139.5 us vs 142.9 at 128K x 4 2-bit, 4-bit error
+# halved; pipe no faster), verify + verify_b (82 + 103 GPU tests passed), kivi_lean (the lean kernel in the package:
+# 22 KIVI GPU tests passed, 19 in the stage + 3 alone after its timeout; vanilla / kivi2 / snapkv+kivi at 128K x 4
+# 189.2 / 426.5 / 710.1 tok/s: 2.25x). Budget spent (1,627 of 1,800 s). Rebased offline on the lean kernel:
+# kivi_gluon_fp16.patch, kivi_gluon_ring.patch (each applies alone on main; kivi_offset_variants.patch is stale, a
+# record). Next: kivi_fp16 (every KIVI GPU test with it; bf16 A/B), kivi_ring, kivi_ncu (2-bit stalls), kivi_small,
+# test_export_cuda alone; #18 if the two-GPU kind is lent.
 # 2026-12-04 fifteenth session: no device lent (paused). Prepared: kivi_pipe now measures three kernels in one call
 # (the package's, sessions/kivi_gluon_lean.patch: int32 visibility, the 2^33 unit in the exp2's FMA, stages carried,
 # the probabilities lifted by 2^80 instead of 2^100; sessions/kivi_gluon_pipe.patch: lean + the software-pipelined
@@ -620,51 +627,36 @@ kivi_v2_points)  # #20: decode through the engine step with the new kernel at 12
     "$OUT/kivi_v2_bf16.log" | cut -c1-300; exit 0; }
   timeout -s INT 540 python3 benchmarks/kivi_bench.py --stage points --points ${POINTS:-vanilla:131072x4,kivi2:131072x4,kivi4:131072x4,snapkv+kivi:131072x4,vanilla:32768x1,kivi2:32768x1} \
     --out "$OUT/kivi_v2_h200.jsonl" > "$OUT/kivi_v2_points.log" 2>&1; echo "rc=$?"; grep -v "^{" "$OUT/kivi_v2_points.log" | tail -14 ;;
-kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, not run): the Gluon KIVI decode for fp16 models too
-  # (sessions/kivi_gluon_fp16.patch: per-dtype units, fp16 codes N * 2^-24, no query lift, probabilities x 2^8; the
-  # bf16 path's logits as sc * 2^33 + sz, numerically the same; offline sm_90a 510 instructions, 158 registers both):
-  # fp16 rows on the Triton kernel, then the patch: every KIVI GPU test (fp16 queries with fp16 scales now take the
-  # Gluon kernel), the fp16 rows again, kernel_bench's bf16 rows. If the tests pass, commit the patch. (~7 min)
+kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, rebased on the lean kernel 2026-12-05, not run): the Gluon
+  # KIVI decode for fp16 models too (sessions/kivi_gluon_fp16.patch: per-dtype units, fp16 codes N * 2^-24, no query
+  # lift, probabilities x 2^8; the bf16 path's logits as one FMA sc * 2^33 + sz with the zeros against q (the lean
+  # kernel: zeros against q * 2^-33, the 2^33 in the exp2's FMA; the same instruction count); offline sm_90a with
+  # Triton 3.9: 156 registers at 2 bits, 173 (bf16) / 160 (fp16) at 4 bits with logits): the bf16 sweep and the fp16
+  # rows on the Triton kernel, then the patch: every KIVI GPU test (fp16 queries with fp16 scales now take the
+  # Gluon kernel; the whole file took 224 s + 82 s cold on 2026-12-05), the bf16 sweep and the fp16 rows again,
+  # kernel_bench's rows. If the tests pass and bf16 is no slower, commit the patch. (~10 min)
+  timeout -s INT 60 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_fp16_before_h200.jsonl" 2>> "$OUT/sweep.err"
   timeout -s INT 100 python3 benchmarks/sessions/kivi_fp16_rows.py triton > "$OUT/kivi_fp16_rows_h200.jsonl" 2>&1
   echo "rc=$?"; cut -c1-170 "$OUT/kivi_fp16_rows_h200.jsonl"
   patch -p1 < benchmarks/sessions/kivi_gluon_fp16.patch || exit 1
-  timeout -s INT 240 $P tests/gpu/test_kivi_cuda.py -x > "$OUT/gpu_tests_kivi_fp16.log" 2>&1
+  timeout -s INT 60 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_fp16_after_h200.jsonl" 2>> "$OUT/sweep.err"
+  paste -d' ' <(cut -c1-90 "$OUT/kivi_gluon_fp16_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_fp16_after_h200.jsonl")
+  timeout -s INT 330 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_fp16.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_fp16.log" | tail -6
   timeout -s INT 100 python3 benchmarks/sessions/kivi_fp16_rows.py gluon >> "$OUT/kivi_fp16_rows_h200.jsonl" 2>&1
   echo "rc=$?"; grep gluon "$OUT/kivi_fp16_rows_h200.jsonl" | cut -c1-170
   timeout -s INT 110 python3 benchmarks/kernel_bench.py --only kivi --out "$OUT" > "$OUT/kernels_kivi_fp16.log" 2>&1
   echo "rc=$?"; grep "2-bit\"\|4-bit\"\|2080" "$OUT/kernels_kivi_fp16.log" | cut -c1-170 | head -24 ;;
-kivi_pipe)  # #20 (prepared 2026-12-04 fourteenth session, redone in the fifteenth, not run): two Gluon KIVI decode
-  # variants against the package kernel, each swept at 3 and 4 stages against the reference, at every point:
-  # sessions/kivi_gluon_lean.patch (int32 visibility compares, the 2^33 unit folded into the exp2's FMA, ring stages
-  # carried instead of modulos: offline 517 -> 494 loop instructions, 156 registers at 2 bits, 173 at 4 with logits;
-  # and the probabilities' lift 2^80 instead of 2^100, so the zero-share sums cannot overflow fp32)
-  # and sessions/kivi_gluon_pipe.patch (the same plus the software-pipelined loop: iteration g takes group g's values
-  # with the probabilities of g - 1 beside group g + 1's keys, two independent MMA sets; 514 instructions, 165
-  # registers at 2 bits, 194 at 4 bits with logits, over the compile test's 192); then the decode tests with the
-  # faster one. The 2-bit kernel issues ~42 % of the time: latency per warp is the lever. (~8 min)
-  for v in before lean pipe; do
-    git checkout -q sparsecompile/kernels/kivi_gluon.py
-    [ "$v" = before ] || patch -p1 --no-backup-if-mismatch < "benchmarks/sessions/kivi_gluon_$v.patch" || exit 1
-    timeout -s INT 110 python3 benchmarks/sessions/kivi_gluon_sweep.py --stages 3,4 > "$OUT/kivi_gluon_${v}_h200.jsonl" \
-      2>> "$OUT/sweep.err"; echo "$v rc=$?"; tail -1 "$OUT/sweep.err"
-  done
-  paste -d' ' <(cut -c1-100 "$OUT/kivi_gluon_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_lean_h200.jsonl") \
-    <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_pipe_h200.jsonl")
-  best=$(python3 -c "
-import json, sys
-t = {v: sum(json.loads(l)['us'] for l in open(f'$OUT/kivi_gluon_{v}_h200.jsonl') if '\"us\"' in l) for v in ('lean', 'pipe')}
-print(min(t, key=t.get))" 2>/dev/null || echo lean)
-  git checkout -q sparsecompile/kernels/kivi_gluon.py && patch -p1 --no-backup-if-mismatch < "benchmarks/sessions/kivi_gluon_$best.patch"
-  echo "tests with $best"
-  timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_$best.log" 2>&1
-  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_$best.log" | tail -6 ;;
-kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, not run): the residual ring as the Gluon grid's last split
-  # (sessions/kivi_gluon_ring.patch: two launches instead of three; its full-precision tiles loaded straight into the
-  # MMA operands; offline sm_90a 182 registers at 2 bits against 158, 186 at 4, 243 at 4 bits with logits, so 11
-  # programs an SM instead of 12 where it counts): the op at every point before and after, then the decode tests.
-  # Keep it only if the short lists gain more than the long ones lose; tests/test_kivi_gluon_compile.py fails with it
-  # (243 registers at 4 bits with logits > 192): that variant needs fewer live tiles first. (~6 min)
+kivi_pipe)  # (ran 2026-12-05 eighteenth session: the lean kernel kept, in the package since; the pipelined one no faster;
+  # both patches removed) #20
+  echo "ran: see results/kivi_gluon_{lean_before,lean,pipe}_h200.jsonl" ;;
+kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, rebased on the lean kernel 2026-12-05, not run): the
+  # residual ring as the Gluon grid's last split (sessions/kivi_gluon_ring.patch: two launches instead of three; its
+  # full-precision tiles loaded straight into the MMA operands; one online-softmax helper for both tiles, in the
+  # codes' units; offline sm_90a with Triton 3.9: 174 registers at 2 bits against 156, 182 at 4 bits, 186 with
+  # logits (243 before the lean kernel), so 11 programs an SM instead of 12 at 2 bits; the compile test passes): the op
+  # at every point before and after, then the decode tests. Keep it only if the short lists gain more than the long
+  # ones lose. (~6 min)
   timeout -s INT 120 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_gluon_ring_before_h200.jsonl" \
     2> "$OUT/sweep.err"; echo "rc=$?"; tail -1 "$OUT/sweep.err"
   patch -p1 < benchmarks/sessions/kivi_gluon_ring.patch || exit 1
