@@ -1,14 +1,16 @@
-"""Continuous batching is invisible in the tokens: requests arriving at random steps, some aborted mid-prompt or
-mid-decode, on a pool small enough to preempt, each get the tokens they get alone on the engine.
+"""Continuous batching is invisible in the tokens: requests arriving at random steps, some aborted mid-prompt or mid-
+decode, on a pool small enough to preempt, each get the tokens they get alone on the engine.
 
 Where that holds exactly: for every method that decides per row, including under a step budget that splits prompt
 chunks (a method whose result depends on where chunks end is fed ``prefill_chunk_size`` chunks whatever the budget:
-``PrefillMode.ALIGNED``, H2O and KIVI); dense methods also under preemption (recompute re-prefills prompt + output,
-which an eviction method compresses as a new prompt: README, Serving). Fuzzed on 2026-12-04 (fifteenth session)
-with 10 seeds for vanilla, snapkv, snapkv+kivi, quest, omnikv, pyramidkv, streamingllm, kvzip, h2o and h2o+kivi on
-a large pool and vanilla, quest, omnikv and kivi on a preempting one: no difference. With chunks split by the step
-budget, ``kivi`` gave other tokens until it became ALIGNED (sixteenth session: a chunk reads the groups earlier
-chunks left quantized)"""
+``PrefillMode.ALIGNED``, H2O and KIVI); and under preemption: dense methods re-prefill prompt + output, the others the
+prompt alone, then replay the output as decode steps (``SparseMethod.recomputes_by_prefill``; before 2026-12-05,
+prompt + output re-prefilled as one prompt gave Quest under its budget other tokens, which an eviction method also
+compresses as a new prompt, and that prefill could need more than the whole pool). Fuzzed on 2026-12-04 (fifteenth
+session) with 10 seeds for vanilla, snapkv, snapkv+kivi, quest, omnikv, pyramidkv, streamingllm, kvzip, h2o and
+h2o+kivi on a large pool and vanilla, quest, omnikv and kivi on a preempting one: no difference. With chunks split by
+the step budget, ``kivi`` gave other tokens until it became ALIGNED (sixteenth session: a chunk reads the groups
+earlier chunks left quantized)"""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from sparsecompile import LLM, SamplingParams
 
 CASES = {"vanilla": ({}, 40), "kivi": ({"residual": 8, "group_size": 4}, 40),
          "snapkv+kivi": ({"budget": 24, "window": 4, "residual": 8, "group_size": 4}, 200),
-         "h2o+kivi": ({"budget": 24, "residual": 8, "group_size": 4}, 200)}
+         "h2o+kivi": ({"budget": 24, "residual": 8, "group_size": 4}, 24),
+         "snapkv": ({"budget": 24, "window": 4}, 24), "quest": ({"budget": 8, "dense_layers": 0, "dense_below": 0}, 40)}
 
 
 def _engine(method: str, pages: int, seqs: int, budget: int = 64):
@@ -38,7 +41,8 @@ def _finish(engine, outs: dict) -> None:
 
 
 @pytest.mark.parametrize("method, seed, budget", [("vanilla", 0, 64), ("vanilla", 1, 64), ("kivi", 0, 64),
-                                                  ("snapkv+kivi", 2, 64), ("h2o+kivi", 3, 64), ("kivi", 8, 11)])
+                                                  ("snapkv+kivi", 2, 64), ("h2o+kivi", 3, 64), ("kivi", 8, 11),
+                                                  ("snapkv", 1, 64), ("quest", 0, 64)])
 def test_batched_requests_get_their_solo_tokens(method: str, seed: int, budget: int) -> None:
     """``budget`` 11: the step's decodes and chunks of 8 leave remainders that would split a chunk."""
     rng = np.random.default_rng(seed)

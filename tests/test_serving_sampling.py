@@ -51,16 +51,45 @@ def test_n_completions_fork_after_one_prefill_and_follow_their_derived_seeds(pai
 
 
 def test_n_siblings_that_do_not_fit_wait_and_recompute_exactly():
-    """A pool with room for about one sequence: siblings are queued like preempted requests (prompt + first token
-    re-prefilled later); greedy siblings all equal the reference."""
+    """A pool with room for about one sequence: siblings are queued like preempted requests (the prompt re-prefilled
+    later, then the first token fed as a decode step); greedy siblings all equal the reference."""
     reference, llm = tiny_llm(num_pages=30, max_model_len=100)
     prompt = prompts_of([40])[0]
     before = llm.llm_engine.stats().prompt_tokens
     out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=12), use_tqdm=False)[0]
-    assert llm.llm_engine.stats().prompt_tokens - before == 40 + 2 * 41  # siblings re-prefill prompt + 1st token
+    assert llm.llm_engine.stats().prompt_tokens - before == 3 * 40  # siblings re-prefill the prompt alone
     expected = hf_greedy(reference, prompt, 12)
     assert [c.token_ids for c in out.outputs] == [expected] * 3
     assert idle(llm)
+
+
+@pytest.mark.parametrize("method, options, pages", [
+    ("snapkv", {"budget": 12, "window": 4}, 20),
+    ("quest", {"budget": 8, "dense_layers": 0, "dense_below": 0}, 30),
+    ("kivi", {"residual": 8, "group_size": 4}, 30),
+])
+def test_queued_and_preempted_siblings_get_the_tokens_forked_ones_get(method, options, pages):
+    """The pool holds the prompt and about one sibling: the others wait (or are preempted) and recompute by
+    re-prefilling the prompt alone and replaying what they hold as decode steps, so each seeded completion equals
+    the one it gets forked on a large pool. Before: prompt + output re-prefilled as one prompt, which SnapKV
+    compresses as another prompt and Quest under its budget / KIVI compute otherwise; with SnapKV on 20 pages that
+    prefill of a preempted sibling could never fit and the request waited forever (hence the bounded steps)."""
+    params = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=12)
+    prompt = prompts_of([40])[0]
+    _, large = tiny_llm(method, num_pages=400, max_model_len=100, **options)
+    forked = [c.token_ids for c in large.generate([prompt], params, use_tqdm=False)[0].outputs]
+    _, small = tiny_llm(method, num_pages=pages, max_model_len=100, **options)
+    engine = small.llm_engine
+    engine.add_request("r", prompt, params)
+    done = []
+    for _ in range(200):
+        done += [o for o in engine.step() if o.finished]
+        if done:
+            break
+    assert done, "the request never finished"
+    assert engine.stats().prompt_tokens == 3 * 40  # two siblings re-prefilled the prompt alone
+    assert [c.token_ids for c in done[0].outputs] == forked
+    assert idle(small)
 
 
 def test_n_siblings_of_an_eviction_method_fork_whatever_else_is_batched():

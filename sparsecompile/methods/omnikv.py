@@ -128,6 +128,7 @@ class OmniKVRuntime(CountsReads, DenseReadOfShortBatches, SparseMethod):
     name = "omnikv"
     config_class = OmniKVConfig
     replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)
+    decode_reads_everything = False  # a budget of the context, once it is longer
     reads_pool_across_layers = True
 
     def __init__(self, config: OmniKVConfig, model: ModelInfo) -> None:

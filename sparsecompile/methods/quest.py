@@ -112,6 +112,7 @@ class QuestRuntime(CountsReads, DenseReadOfShortBatches, SparseMethod):
     name = "quest"
     config_class = QuestConfig
     replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)
+    decode_reads_everything = False  # a budget of the context, once it is longer
 
     def __init__(self, config: QuestConfig, model: ModelInfo) -> None:
         super().__init__(config, model)

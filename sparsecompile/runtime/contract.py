@@ -136,6 +136,9 @@ class SparseMethod:
     #: Every token stays resident in order (nothing is evicted): such a cache can be cropped back to any length
     #: and its full pages can be shared through the prefix cache.
     keeps_all_tokens: ClassVar[bool] = True
+    #: Decode steps attend to every resident token (dense attention). Budgeted selection (Quest, OmniKV) sets False;
+    #: with :attr:`keeps_all_tokens` and :attr:`storage` it decides :attr:`recomputes_by_prefill`.
+    decode_reads_everything: ClassVar[bool] = True
     #: The controller gives ``prepare_step`` each prefill row's token ids (``StepState.prompt_tokens``; one host copy
     #: of the chunk's ids per prefill forward), for methods that re-read the prompt.
     needs_prompt_tokens: ClassVar[bool] = False
@@ -156,6 +159,15 @@ class SparseMethod:
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         self.config = config
         self.model = model
+
+    @property
+    def recomputes_by_prefill(self) -> bool:
+        """Whether a preempted request's prompt + output prefilled again as one prompt rebuilds the state its decode
+        steps built: only when they attended to every token, kept every token and stored it in the model's dtype.
+        Otherwise (eviction compresses the recomputed prefix as a prompt, a budgeted read or quantized storage made
+        the output tokens' K/V from other inputs, and the prefill's peak can exceed what the request ever held) the
+        serving engine re-prefills the prompt alone and replays the output as decode steps."""
+        return self.decode_reads_everything and self.keeps_all_tokens and self.storage is None
 
     # ---- setup and capacity
     def setup(self, manager: CacheManager) -> None:

@@ -134,7 +134,8 @@ class LLMEngine(StepForwards):
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=chunk,
                                    prefill_mode=c.runtime.prefill_mode, max_model_len=self.max_model_len,
                                    reuse=self.reuse,
-                                   max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding)
+                                   max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+                                   replay_outputs=not c.runtime.recomputes_by_prefill)
         self.pruner = Pruner(self)
         sizes = config.cuda_graph_sizes or [1 << i for i in range(max_num_seqs.bit_length())]
         self.graph_sizes = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})

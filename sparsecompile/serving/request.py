@@ -29,7 +29,8 @@ class Request:
     such a resumed prompt ended (reservations follow them instead of the oracle's fresh-prompt model).
     ``forks``: the siblings of an ``n > 1`` request still to fork from its row when its first prompt ends: admission
     counts their seats in ``max_num_seqs`` and their resident pages in its reservation, so every one of them forks
-    (a sibling that would re-prefill compresses prompt + first token as a new prompt under an eviction method).
+    (a sibling that does not fit re-prefills the prompt alone and feeds its first token as a decode step:
+    :attr:`caught_up`).
     """
 
     request_id: str
@@ -62,6 +63,20 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens (the next decode token's position is ``num_tokens - 1``)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether the row holds every token but the last sampled one, so that the last forward's logits give the
+        next token. Not while a request replays tokens it already holds as decode steps: an ``n > 1`` sibling
+        queued instead of forked (``Scheduler.add_fork``: the prompt re-prefilled alone, then its first token, as a
+        forked sibling feeds it) and a preempted request of a method that does not recompute by prefill
+        (:attr:`.SparseMethod.recomputes_by_prefill`: the prompt, then its output a token a step)."""
+        return self.num_computed == self.num_tokens
+
+    def next_input(self) -> int:
+        """The token the next decode step feeds (position ``num_computed``): the last sampled one, or while
+        replaying the next of the output it holds."""
+        return self.output_ids[self.num_computed - len(self.prompt_ids)]
 
     @property
     def max_new_tokens(self) -> int:

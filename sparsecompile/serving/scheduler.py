@@ -37,6 +37,13 @@ with enough token budget, or runs past the budget when it is the step's only pre
 ``max_prefill_tokens_while_decoding`` lowers the prompt budget of a step that also decodes: a step runs as long as its
 prompt work, and that is every running stream's gap between two tokens (on the 8B shape an 8,192-token step takes
 about 0.3 s against 6.5 ms for a decode step). Steps without decodes keep the whole budget.
+
+Preemption recomputes: a preempted request is queued again with prompt + output as its prompt, exact for dense
+methods (vLLM's recompute). With ``replay_outputs`` (methods whose state that prefill would not rebuild:
+``SparseMethod.recomputes_by_prefill``) it re-prefills the prompt alone and replays its output as decode steps
+(``Request.caught_up``), so it holds and reserves at every step what it did the first time: exact, and never
+more than the pool held for it then (a prefill of prompt + output under an eviction method can need more than
+the whole pool: the request then waited forever).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ class Scheduler:
     def __init__(self, oracle: MemoryOracle, num_pages: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk_size: int, prefill_mode: PrefillMode | str, max_model_len: int,
                  watermark: float = 0.01, reuse: ReuseIndex | None = None,
-                 max_prefill_tokens_while_decoding: int | None = None) -> None:
+                 max_prefill_tokens_while_decoding: int | None = None, replay_outputs: bool = False) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs; got "
                              f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -68,6 +75,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size or max_num_batched_tokens
         self.prefill_mode = PrefillMode(prefill_mode)
         self.max_model_len = max_model_len
+        self.replay_outputs = replay_outputs  # a preempted request recomputes its output as decode steps
         self.watermark = {"kv_pages": int(self.capacity["kv_pages"] * watermark)}  # room for decode growth
         self.reserved = dict.fromkeys(self.capacity, 0)
         self.waiting: deque[Request] = deque()
@@ -175,10 +183,12 @@ class Scheduler:
         it a copy of ``source``'s row, reserving what that row holds, as measured when the prompt ended, which the
         source's admission reserved for it by the oracle's model: ``Request.forks``); False when that does not fit
         (siblings beyond what the batch or the pool could hold): it is queued like a preempted request instead (it
-        re-prefills prompt + first token when admitted, reserving that prefill's peak then).
+        re-prefills the prompt alone when admitted, reserving that prefill's peak then, and feeds its first token as
+        a decode step: :attr:`.Request.caught_up`).
         """
         request.prefill_ids = list(request.prompt_ids)
-        request.num_prefilled, request.num_decoded = len(request.prefill_ids), 0
+        request.num_prefilled = request.num_computed = len(request.prefill_ids)
+        request.num_decoded = 0
         request.prompt_slots = source.prompt_slots  # the same row: its reservations follow the same measured slots
         # pages only: a fork keeps no prompt buffer (re-prefilled later, it reserves one when it is admitted again)
         resident = self._pages(self._held(request))
@@ -188,7 +198,6 @@ class Scheduler:
             self.running.append(request)
             return True
         request.status = RequestStatus.WAITING
-        request.prefill_ids = request.prompt_ids + request.output_ids
         request.num_prefilled = 0
         request.prompt_slots = None
         self.waiting.appendleft(request)
@@ -210,7 +219,8 @@ class Scheduler:
         self.running.remove(request)
         self._set_reservation(request, {})
         request.status = RequestStatus.WAITING
-        request.prefill_ids = request.prompt_ids + request.output_ids
+        # recompute: prompt + output as one prompt, or the prompt, then the output replayed as decode steps
+        request.prefill_ids = request.prompt_ids + ([] if self.replay_outputs else request.output_ids)
         request.num_prefilled = request.num_decoded = 0  # num_computed stays: the engine caches what it held
         request.resumed = request.prompt_slots = None
         request.metrics.num_preemptions += 1

@@ -52,9 +52,10 @@ class StepForwards:
     @staticmethod
     def _decode_inputs(requests: list[Request], device: torch.device | str) -> tuple[list[int], torch.Tensor,
                                                                                       torch.Tensor]:
-        """Rows, ids and positions ``[batch, 1]`` of a decode batch (each request's last token)."""
-        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=device)
-        positions = torch.tensor([[r.num_tokens - 1] for r in requests], device=device)
+        """Rows, ids and positions ``[batch, 1]`` of a decode batch (each request's last token, or the next one it
+        replays: ``Request.next_input``)."""
+        ids = torch.tensor([[r.next_input()] for r in requests], device=device)
+        positions = torch.tensor([[r.num_computed] for r in requests], device=device)
         return [r.row for r in requests], ids, positions
 
     def _run_decode(self, requests: list[Request]) -> list[LiveSequence]:
@@ -65,7 +66,8 @@ class StepForwards:
         logits = self.controller.decode(self.patched.inner, rows, ids, positions, pad_to=pad_to)
         for r in requests:
             self.scheduler.decode_done(r)
-        return self._sample([self._live[r] for r in requests], logits[:, -1])
+        lives, last = self._caught_up(requests, logits[:, -1])
+        return self._sample(lives, last) if lives else []
 
     def _run_mixed(self, requests: list[Request], groups: list[list[PrefillChunk]]) -> list[LiveSequence]:
         """The decode batch and every group of prompt chunks in one forward (``SparseController.mixed``); one
@@ -76,13 +78,21 @@ class StepForwards:
                                                             [c.forward_args for c in chunks])
         for r in requests:
             self.scheduler.decode_done(r)
-        lives = [self._live[r] for r in requests]
-        last = [decode_logits[:, -1]] if requests else []
+        lives, last = self._caught_up(requests, decode_logits[:, -1]) if requests else ([], None)
+        last = [last] if lives else []
         for group, chunk, logits in zip(groups, chunks, group_logits):
             done = self._group_done(group, chunk, logits)
             lives += [chunk.lives[i] for i in done]
             last.append(logits[done, -1])
         return self._sample(lives, torch.cat(last)) if lives else []
+
+    def _caught_up(self, requests: list[Request], logits: torch.Tensor) -> tuple[list[LiveSequence], torch.Tensor]:
+        """The decoded sequences that sample now and their rows of ``logits [batch, vocab]`` (all of them unless one
+        replays a token it holds: ``Request.caught_up``)."""
+        keep = [i for i, r in enumerate(requests) if r.caught_up]
+        if len(keep) < len(requests):
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+        return [self._live[requests[i]] for i in keep], logits
 
     def _run_group(self, group: list[PrefillChunk]) -> list[LiveSequence]:
         """One forward over a group of prompt chunks (left-padded); returns the requests whose prompt ended (one
@@ -118,7 +128,8 @@ class StepForwards:
                                                            0 if every_position else 1, [c.final for c in group]))
 
     def _group_done(self, group: list[PrefillChunk], chunk: _ChunkInputs, logits: torch.Tensor) -> list[int]:
-        """Bookkeeping after a group's forward (prompt logprobs, progress); the indices of prompts that ended."""
+        """Bookkeeping after a group's forward (prompt logprobs, progress); the indices of prompts that ended and
+        sample their next token now (not one replaying tokens it holds: ``Request.caught_up``)."""
         width = chunk.width
         for i, (c, live) in enumerate(zip(group, chunk.lives)):
             if chunk.every_position and self._wants_prompt_logprobs(live):
@@ -129,4 +140,4 @@ class StepForwards:
             slots = self.manager.slot_count_array([r.row])[0].tolist() if c.final else None
             self.scheduler.chunk_done(c, slots)
             self.reuse.progress(r)
-        return [i for i, c in enumerate(group) if c.final]
+        return [i for i, c in enumerate(group) if c.final and c.request.caught_up]
