@@ -61,7 +61,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens (the next decode token's position is ``num_tokens - 1``)."""
+        """Prompt plus generated tokens (the next decode token's position is ``num_tokens - 1`` once
+        :attr:`caught_up`)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
