@@ -210,3 +210,33 @@ def test_a_fork_without_a_row_to_reclaim_is_refused_and_changes_nothing():
     llm.llm_engine.step()
     again = llm.generate([first + out + more], GREEDY, use_tqdm=False, chain_ids=["main"])[0]
     assert again.metrics.chain_hit and again.outputs[0].token_ids == generate_turns(reference, [first, more])[1]
+
+
+def test_a_step_that_preempts_into_the_prefix_cache_reclaims_before_it_allocates():
+    """A decode step preempts the newest request to make room: the scheduler counts its pages free, but the prefix
+    cache keeps its full blocks (idle, reclaimable): the engine reclaims them before the step allocates. Before, the
+    step ran out of pages (``OutOfPages``) on this 20-page pool (found by a random serving fuzz)."""
+    _, model = tiny_pair()
+    _, solo_model = tiny_pair()
+    options = dict(tokenizer=DigitTokenizer(), max_model_len=100, page_size=4, prefill_chunk_size=8)
+    llm = LLM(model, "vanilla", enable_prefix_caching=True, num_pages=20, max_num_seqs=3, max_num_batched_tokens=11,
+              **options)
+    shared = prompts_of([11], seed=3)[0]
+    arrivals = {4: ("r1", shared + prompts_of([18], seed=4)[0], SamplingParams(n=2, temperature=0.8, seed=519,
+                                                                               max_tokens=7)),
+                7: ("r2", prompts_of([19], seed=5)[0], SamplingParams(temperature=0.8, seed=379, max_tokens=16)),
+                8: ("r0", prompts_of([11], seed=6)[0], SamplingParams(temperature=0, max_tokens=14))}
+    engine, outs = llm.llm_engine, {}
+    for step in range(300):
+        if step in arrivals:
+            engine.add_request(*arrivals[step])
+        outs.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
+        if step > 8 and not engine.has_unfinished_requests():
+            break
+    assert engine.stats().num_preemptions > 0
+    solo = LLM(solo_model, "vanilla", num_pages=400, **options)
+    for rid, prompt, params in arrivals.values():
+        assert outs[rid] == [c.token_ids for c in solo.generate([prompt], params, use_tqdm=False)[0].outputs], rid
+    engine.reuse.prefix.check()
+    stats = engine.stats()
+    assert stats.free_pages + stats.reuse.reclaimable_pages == stats.total_pages

@@ -73,6 +73,8 @@ class Executor:
     def run(self, plan, stop_now: set[str]) -> list[Request]:
         for r in plan.preempted:
             self.reuse.preempted(r)
+        self.scheduler.settle()  # as the engine: the victims' cached blocks reclaimed before the step allocates
+        assert self.scheduler.free()["kv_pages"] >= 0
         finished = []
         for r in plan.decode:
             self._grow(r, 1, self.rewrites)

@@ -308,6 +308,7 @@ class LLMEngine(StepForwards):
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         self._release(plan.preempted)
+        self.scheduler.settle()
         changed: list[LiveSequence] = []
         # prompt chunks in groups of similar lengths (each left-padded within max_num_batched_tokens)
         groups = pack_chunks(plan.prefill, self.max_num_batched_tokens) if plan.prefill else []

@@ -88,6 +88,15 @@ class Scheduler:
         idle = {"kv_pages": self.reuse.reclaimable_pages()} if self.reuse is not None else {}
         return {name: total - self.reserved[name] - idle.get(name, 0) for name, total in self.capacity.items()}
 
+    def settle(self) -> None:
+        """After the engine released this step's preempted rows: their reservations counted as free when
+        :meth:`schedule` preempted them for the step's decodes, but the prefix cache keeps their full blocks (idle,
+        reclaimable, not free), so reclaim idle state until the reservations fit the pool again (before, that step
+        could run out of pages: ``OutOfPages``)."""
+        short = -self.free()["kv_pages"]
+        if short > 0 and self.reuse is not None:
+            self.reuse.reclaim(short, None)
+
     def _set_reservation(self, request: Request, cost: dict[str, int]) -> None:
         for name in self.reserved:
             self.reserved[name] += cost.get(name, 0) - request.reserved.get(name, 0)
