@@ -240,3 +240,27 @@ def test_a_step_that_preempts_into_the_prefix_cache_reclaims_before_it_allocates
     engine.reuse.prefix.check()
     stats = engine.stats()
     assert stats.free_pages + stats.reuse.reclaimable_pages == stats.total_pages
+
+
+def test_a_continuation_whose_resume_needs_more_than_the_pool_prefills_from_scratch():
+    """KVzip resuming a 22-token chain with 11 new tokens peaks at 26 pages, a fresh 33-token prompt at 18: on a
+    24-page pool the continuation prefills from scratch (a miss, ``too_large``) and equals the unpatched model.
+    Before, it headed the queue forever, blocking every request behind it (found by a random serving fuzz)."""
+    reference, model = tiny_pair()
+    llm = LLM(model, "kvzip", tokenizer=DigitTokenizer(), budget=256, num_pages=24, max_model_len=120, page_size=4,
+              prefill_chunk_size=8, max_num_seqs=2, max_num_batched_tokens=16)
+    first = prompts_of([15], seed=1)[0]
+    turn = llm.generate([first], SamplingParams(temperature=0, max_tokens=7), use_tqdm=False, chain_ids=["c"])[0]
+    second = first + turn.outputs[0].token_ids + prompts_of([11], seed=2)[0]
+    engine, done = llm.llm_engine, []
+    engine.add_request("t2", second, GREEDY, chain_id="c")
+    for _ in range(100):
+        done += [o for o in engine.step() if o.finished]
+        if done:
+            break
+    assert done and done[0].metrics.chain_miss_reason == "too_large"
+    ids = torch.tensor([second])
+    want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T, do_sample=False,
+                              pad_token_id=0)[0, len(second):].tolist()
+    assert done[0].outputs[0].token_ids == want
+    assert engine.stats().reuse.chain_misses == {"unknown_chain": 1, "too_large": 1}  # the first turn: a new id

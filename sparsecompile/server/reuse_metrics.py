@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 PREFIX = "sparsecompile"
 MISS_REASONS = ("unknown_chain", "in_use", "fingerprint", "prefix_mismatch", "no_suffix", "reclaimed", "invalidated",
-                "dropped", "replaced")
+                "dropped", "replaced", "too_large")
 
 
 class ReuseStatsCollector(Collector):

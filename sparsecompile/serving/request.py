@@ -109,8 +109,9 @@ class ReuseIndex(Protocol):
     def reclaimable_pages(self) -> int:
         """Pages held by idle state (no request reserved them)."""
 
-    def lookup(self, request: Request) -> Resume | None:
-        """What ``request`` would resume if admitted now (no state change that a later admission depends on)."""
+    def lookup(self, request: Request, resume_chain: bool = True) -> Resume | None:
+        """What ``request`` would resume if admitted now (no state change that a later admission depends on);
+        ``resume_chain`` False: not its idle chain."""
 
     def attach(self, request: Request, resume: Resume) -> None:
         """Admit with ``resume``: set ``request.row`` (when reused), ``num_prefilled`` and ``num_computed``."""

@@ -122,12 +122,16 @@ class KVReuse:
         return sum(len(self.manager.pages_of(row, layer)) for layer in range(self.manager.layout.num_layers))
 
     # ------------------------------------------------------------------ scheduler side
-    def lookup(self, request: Request) -> Resume | None:
+    def lookup(self, request: Request, resume_chain: bool = True) -> Resume | None:
+        """``resume_chain`` False: not the request's idle chain (a miss, ``too_large``: resuming it needs more than
+        the whole pool; the chain stays idle until the request parks its own state under the id)."""
         if request.chain_id is None and self.prefix is None:
             return None
         tokens = self._tokens(request, len(request.prefill_ids))
         resume = Resume()
-        if request.chain_id is not None:
+        if request.chain_id is not None and not resume_chain:
+            resume.miss = "too_large"
+        elif request.chain_id is not None:
             chain, why = self.chains.match(request.chain_id, tokens)
             if chain is not None:
                 resident = self.manager.slot_count_array([chain.row])[0].tolist()

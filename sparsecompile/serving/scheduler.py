@@ -272,6 +272,11 @@ class Scheduler:
             if r in out.preempted or self._seats() + 1 + r.forks > self.max_num_seqs:
                 break  # a preempted row is released after this call (and its blocks cached): next step
             resume = self.reuse.lookup(r) if self.reuse is not None else None
+            if resume is not None and resume.chain is not None and not self.oracle.fits(self._prefill_cost(r, resume),
+                                                                                         self.capacity):
+                # resuming its chain needs more than the whole pool (a resumed prompt's peak can exceed a fresh one's):
+                # prefill from scratch (before, the request headed the queue forever)
+                resume = self.reuse.lookup(r, resume_chain=False)
             start = resume.tokens if resume is not None else 0
             if self._chunk_size(r, budget, first=not out.prefill, start=start) == 0:
                 break
