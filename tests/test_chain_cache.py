@@ -264,3 +264,24 @@ def test_a_continuation_whose_resume_needs_more_than_the_pool_prefills_from_scra
                               pad_token_id=0)[0, len(second):].tolist()
     assert done[0].outputs[0].token_ids == want
     assert engine.stats().reuse.chain_misses == {"unknown_chain": 1, "too_large": 1}  # the first turn: a new id
+
+
+def test_a_queue_head_that_can_never_be_admitted_is_aborted_not_waited_for(caplog):
+    """The engine's guard: nothing runs, and the head of the queue is not admitted into the idle engine (here the
+    scheduler's capacity is cut after the request was accepted, as a wrong cost model would): its request is
+    aborted with a warning, and the request behind it runs, instead of both waiting forever."""
+    _, model = tiny_pair()
+    llm = LLM(model, "vanilla", tokenizer=DigitTokenizer(), num_pages=40, max_model_len=100, **ENGINE, **SERVING)
+    engine = llm.llm_engine
+    engine.add_request("big", prompts_of([60])[0], GREEDY)
+    engine.add_request("small", prompts_of([6])[0], GREEDY)
+    engine.scheduler.capacity = {"kv_pages": 24}  # "big" (30 pages at its peak) no longer fits the pool
+    outs = {}
+    for _ in range(50):
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert outs["big"].outputs[0].finish_reason == "abort" and "cannot be admitted" in caplog.text
+    assert outs["small"].outputs[0].finish_reason == "length" and len(outs["small"].outputs[0].token_ids) == T
+    engine.scheduler.capacity = {"kv_pages": 40}
+    assert engine.stats().free_pages == engine.stats().total_pages

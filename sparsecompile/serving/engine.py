@@ -21,6 +21,7 @@ every token) full prompt pages are shared between requests. Both hold pages the 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -309,6 +310,8 @@ class LLMEngine(StepForwards):
         plan = self.scheduler.schedule()
         self._release(plan.preempted)
         self.scheduler.settle()
+        if not (plan.decode or plan.prefill or plan.preempted or self.scheduler.running) and self.scheduler.waiting:
+            self._abort_stuck(self.scheduler.waiting[0])
         changed: list[LiveSequence] = []
         # prompt chunks in groups of similar lengths (each left-padded within max_num_batched_tokens)
         groups = pack_chunks(plan.prefill, self.max_num_batched_tokens) if plan.prefill else []
@@ -323,6 +326,17 @@ class LLMEngine(StepForwards):
             self._counters["steps"] += 1
         outputs += self._outputs(changed)
         return outputs
+
+    def _abort_stuck(self, request: Request) -> None:
+        """Nothing runs, every idle state was reclaimable, and the queue's head was still not admitted: it never
+        will be, and everything behind it would wait forever. Abort its request (logged) instead. No known path
+        leads here since the 2026-12-05 fixes (a preempted eviction request's prompt + output prefill, a chain
+        resume larger than the pool); this keeps a future one from hanging the engine."""
+        group = self._live[request].group
+        logging.getLogger("sparsecompile").warning(
+            "request %s aborted: it cannot be admitted into an idle engine (prefill of %d tokens; KV pool of %s)",
+            group.request_id, len(request.prefill_ids), self.scheduler.capacity)
+        self.abort_request(group.request_id)
 
     def _sample(self, lives: list[LiveSequence], logits: torch.Tensor) -> list[LiveSequence]:
         """Sample one token per sequence from ``logits [batch, vocab]``; apply stop conditions.
