@@ -21,7 +21,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """One request's scheduling state; tokens are host lists.
 
-    ``prefill_ids`` is what (re)admission feeds: the prompt, or after a preemption prompt + output so far.
+    ``prefill_ids`` is what (re)admission feeds: the prompt, or after a preemption prompt + output so far (or the
+    prompt alone, its output then replayed: :attr:`caught_up`).
     ``num_decoded`` counts decode steps since that prefill (the oracle's ``generated``). ``num_computed``: tokens
     whose KV the request's row holds (``prompt_ids + output_ids`` in order; the last sampled token is not fed yet).
     ``chain_id``: the session whose idle state a continuation resumes and under which the finished state stays.
@@ -67,8 +68,8 @@ class Request:
 
     @property
     def caught_up(self) -> bool:
-        """Whether the row holds every token but the last sampled one, so that the last forward's logits give the
-        next token. Not while a request replays tokens it already holds as decode steps: an ``n > 1`` sibling
+        """Whether the row holds every token so far (asked after a forward, before sampling), so that the forward's
+        last logits give the next token. Not while a request replays tokens it already holds as decode steps: an ``n > 1`` sibling
         queued instead of forked (``Scheduler.add_fork``: the prompt re-prefilled alone, then its first token, as a
         forked sibling feeds it) and a preempted request of a method that does not recompute by prefill
         (:attr:`.SparseMethod.recomputes_by_prefill`: the prompt, then its output a token a step)."""

@@ -272,15 +272,15 @@ class Scheduler:
             if r in out.preempted or self._seats() + 1 + r.forks > self.max_num_seqs:
                 break  # a preempted row is released after this call (and its blocks cached): next step
             resume = self.reuse.lookup(r) if self.reuse is not None else None
-            if resume is not None and resume.chain is not None and not self.oracle.fits(self._prefill_cost(r, resume),
-                                                                                         self.capacity):
+            cost = self._prefill_cost(r, resume)
+            if resume is not None and resume.chain is not None and not self.oracle.fits(cost, self.capacity):
                 # resuming its chain needs more than the whole pool (a resumed prompt's peak can exceed a fresh one's):
                 # prefill from scratch (before, the request headed the queue forever)
                 resume = self.reuse.lookup(r, resume_chain=False)
+                cost = self._prefill_cost(r, resume)
             start = resume.tokens if resume is not None else 0
             if self._chunk_size(r, budget, first=not out.prefill, start=start) == 0:
                 break
-            cost = self._prefill_cost(r, resume)
             brought = resume.idle_pages if resume is not None else 0
             net = {k: v - (brought if k == "kv_pages" else 0) for k, v in cost.items()}
             if (not self._fits_after_reclaim(net, resume, watermark=bool(self.running))
