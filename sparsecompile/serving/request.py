@@ -69,10 +69,10 @@ class Request:
     @property
     def caught_up(self) -> bool:
         """Whether the row holds every token so far (asked after a forward, before sampling), so that the forward's
-        last logits give the next token. Not while a request replays tokens it already holds as decode steps: an ``n > 1`` sibling
-        queued instead of forked (``Scheduler.add_fork``: the prompt re-prefilled alone, then its first token, as a
-        forked sibling feeds it) and a preempted request of a method that does not recompute by prefill
-        (:attr:`.SparseMethod.recomputes_by_prefill`: the prompt, then its output a token a step)."""
+        last logits give the next token. Not while a request replays tokens it already holds as decode steps: an
+        ``n > 1`` sibling queued instead of forked (``Scheduler.add_fork``: the prompt re-prefilled alone, then its
+        first token, as a forked sibling feeds it) and a preempted request of a method that does not recompute by
+        prefill (:attr:`.SparseMethod.recomputes_by_prefill`: the prompt, then its output a token a step)."""
         return self.num_computed == self.num_tokens
 
     def next_input(self) -> int:
