@@ -17,8 +17,9 @@ import json
 import torch
 from bandwidth import time_graph
 
-from sparsecompile.kernels.kivi_attention import KIVI_DECODE_CONFIG, kivi_decode_attention_triton
+from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
 from sparsecompile.kernels.kivi_quant import kivi_quantize_triton, page_shapes
+from sparsecompile.kernels.kivi_triton import KIVI_DECODE_CONFIG
 
 KV_HEADS, GROUP_Q, DIM, PAGE, G, RESIDUAL = 8, 4, 128, 32, 32, 128
 RING = RESIDUAL + G

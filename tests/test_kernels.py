@@ -10,10 +10,10 @@ import torch
 
 from sparsecompile.kernels import dense_attention, kv_write, kv_write_reference, paged_attention
 from sparsecompile.kernels.library import triton_available
-from sparsecompile.kernels.paged_attention import (
+from sparsecompile.kernels.paged_attention import paged_attention_reference
+from sparsecompile.kernels.paged_attention_variants import (
     decode_logits_reference,
     paged_attention_lse_reference,
-    paged_attention_reference,
     token_max_reference,
 )
 from sparsecompile.kernels.pool import gather_slots, view_slots, visibility

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from sparsecompile.kernels import kivi_quant as kq
-from sparsecompile.kernels.kivi_attention import fast_path_supported, kivi_decode_attention_triton, wave_splits
+from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
 from sparsecompile.kernels.kivi_reference import (
     kivi_decode_attention_logits_reference,
     kivi_decode_attention_reference,
     kivi_view_kv,
 )
+from sparsecompile.kernels.kivi_triton import fast_path_supported, wave_splits
 from sparsecompile.kernels.library import triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")

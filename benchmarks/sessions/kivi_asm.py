@@ -47,7 +47,7 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernel", default="sparsecompile.kernels.kivi_attention:_kivi_decode_kernel")
+    p.add_argument("--kernel", default="sparsecompile.kernels.kivi_triton:_kivi_decode_kernel")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--const", action="append", default=[])

@@ -1,7 +1,7 @@
 """Session probe (#20, 2026-12-04; written offline, not run on a GPU yet): the quantized part of KIVI decode
 attention in Gluon, every operand in a layout the kernel names, so no code tile goes through shared memory.
 
-Why: the Triton kernel (``sparsecompile/kernels/kivi_attention.py``) is latency-bound on the shared-memory layout
+Why: the Triton kernel (``sparsecompile/kernels/kivi_triton.py``) is latency-bound on the shared-memory layout
 conversions plain Triton inserts (ncu: L1 / shared memory 74 % busy, 0.83 eligible warps a scheduler; 18-29 % of
 the bandwidth at 2 bits). Here, one warp a program (no cross-warp reduction or barrier):
 
@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sparsecompile.kernels.kivi_attention import _code_asm  # noqa: E402
+from sparsecompile.kernels.kivi_triton import _code_asm  # noqa: E402
 
 KV_HEADS, GQA, D, G, PAGE, BITS = 8, 4, 128, 32, 32, 2
 NB = D * BITS // 8  # bytes a slot

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kivi_gluon_decode import loop_mix, shared_ops  # noqa: E402
 
-from sparsecompile.kernels.kivi_attention import _code_asm  # noqa: E402
+from sparsecompile.kernels.kivi_triton import _code_asm  # noqa: E402
 
 
 @gluon.jit

@@ -1,6 +1,6 @@
 """Kernels: torch.library ops with a torch reference on CPU and a Triton kernel on CUDA."""
 
-from .attention_mass import attention_lse_reference
+from .attention_mass_reference import attention_lse_reference
 from .dense_attention import dense_attention
 from .evict_lowest import evict_lowest, evict_lowest_reference
 from .h2o_scores import (
@@ -17,12 +17,11 @@ from .kivi_reference import kivi_decode_attention_reference
 from .kv_write import kv_write, kv_write_bounds, kv_write_reference
 from .kvzip_scores import kvzip_scores, kvzip_scores_reference
 from .omnikv_scores import omnikv_scores, omnikv_scores_reference
-from .paged_attention import (
+from .paged_attention import paged_attention, paged_attention_reference
+from .paged_attention_variants import (
     decode_logits_reference,
-    paged_attention,
     paged_attention_logits,
     paged_attention_lse,
-    paged_attention_reference,
     paged_attention_token_max,
 )
 from .pool import gather_slots, view_slots, visibility

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention_mass import SUM, TO_POOL, attention_lse_triton, attention_mass_reference, attention_mass_triton, triton
+from .attention_mass import attention_lse_triton, attention_mass_triton, triton
+from .attention_mass_reference import SUM, TO_POOL, attention_mass_reference
 from .library import define_op
 from .pool import view_slots
 from .tiles import FP_FUSION

@@ -1,6 +1,6 @@
 """The quantized part of KIVI decode attention in Gluon (Triton's explicit-layout dialect), CUDA sm_90, 2 / 4 bits.
 
-Why not plain Triton (``kivi_attention.py``'s kernel, kept for every other case): there the packed codes reach the
+Why not plain Triton (``kivi_triton.py``'s kernel, kept for every other case): there the packed codes reach the
 MMA operand layout through shared-memory layout conversions and their barriers, and the kernel is latency-bound at
 18-29 % of the H200's bandwidth (``benchmarks/results/kivi_kernel_variants_h200.md``). Here every operand is in a
 layout the kernel names (one warp a program, no cross-warp reduction):

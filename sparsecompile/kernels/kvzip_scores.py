@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention_mass import MAX, TO_KV_HEAD, triton, view_scores_reference, view_scores_triton
+from .attention_mass import triton, view_scores_triton
+from .attention_mass_reference import MAX, TO_KV_HEAD, view_scores_reference
 from .library import define_op
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention_mass import SUM, TO_HEAD, triton, view_scores_reference, view_scores_triton
+from .attention_mass import triton, view_scores_triton
+from .attention_mass_reference import SUM, TO_HEAD, view_scores_reference
 from .library import define_op
 
 

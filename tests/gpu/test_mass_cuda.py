@@ -56,7 +56,8 @@ def _queries(batch, first, count, g):
 def test_h2o_decode_triton_vs_reference(block, window):
     """64 sequences x 2,048 slots, one query each: the lse pass, the one-pass op fed the reference lse, the op, and
     the update from the attention's logits."""
-    from sparsecompile.kernels.attention_mass import attention_lse_reference, attention_lse_triton
+    from sparsecompile.kernels.attention_mass import attention_lse_triton
+    from sparsecompile.kernels.attention_mass_reference import attention_lse_reference
     from sparsecompile.kernels.h2o_scores import (
         h2o_accumulate_logits_triton,
         h2o_accumulate_lse_triton,
@@ -89,7 +90,8 @@ def test_h2o_decode_triton_vs_reference(block, window):
 @pytest.mark.parametrize("context,window", [(32768, 0), (4096, 1024)])
 def test_h2o_prefill_chunk_triton_vs_reference(context, window):
     """A 2,048-query chunk at the end of ``context`` (causal inside the chunk; query tiles are skipped)."""
-    from sparsecompile.kernels.attention_mass import attention_lse_reference, attention_lse_triton
+    from sparsecompile.kernels.attention_mass import attention_lse_triton
+    from sparsecompile.kernels.attention_mass_reference import attention_lse_reference
     from sparsecompile.kernels.h2o_scores import h2o_accumulate_lse_triton, h2o_accumulate_reference
 
     k, pos, index, lengths, g = _pool(1, context, seed=context + window)
@@ -137,7 +139,7 @@ def test_kvzip_scores_triton_vs_reference(window):
 
 def test_h2o_ops_in_cuda_graph_replay_eager_result():
     """Both H2O ops capture into a CUDA graph (so no host synchronisation) and replay to the eager result."""
-    from sparsecompile.kernels.attention_mass import attention_lse_reference
+    from sparsecompile.kernels.attention_mass_reference import attention_lse_reference
 
     k, pos, index, lengths, g = _pool(8, 2048, seed=3)
     q, qpos = _queries(8, 2047, 1, g)
