@@ -26,6 +26,7 @@ _EXPORTS = {
     "EngineConfig": "config",
     "MethodConfigError": "config",
     "RequestOutput": "serving.outputs",
+    "RequestOutputKind": "serving.outputs",
     "RequestRejected": "serving.outputs",
     "SamplingParams": "serving.outputs",
     "ServingConfig": "config",
@@ -46,7 +47,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM", "CaptureError", "CompletionOutput", "EngineConfig", "MethodConfigError", "RequestOutput",
-    "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "TensorParallelError",
+    "RequestOutputKind", "RequestRejected", "SamplingParams", "ServingConfig", "SparseCache", "TensorParallelError",
     "UnsupportedModelError", "available_methods", "compress", "export", "kv_stats", "load", "optimize", "patched",
     "restore", "retained_positions", "warmup",
 ]
@@ -104,4 +105,4 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from .optimize import optimize, patched, restore
     from .passes import CaptureError
     from .runtime.distributed import TensorParallelError
-    from .serving.outputs import CompletionOutput, RequestOutput, RequestRejected, SamplingParams
+    from .serving.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestRejected, SamplingParams

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from .config import OPTION_KINDS, ServingConfig, dtype_attribute
 from .methods.registry import fill_text_options
 from .serving.engine import EngineUnavailableError, LLMEngine
-from .serving.outputs import RequestOutput, SamplingParams
+from .serving.outputs import RequestOutput, RequestOutputKind, SamplingParams
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -199,6 +200,9 @@ class LLM:
         chains = [None] * len(prompts) if chain_ids is None else list(chain_ids)
         if len(chains) != len(prompts):
             raise ValueError(f"got {len(chains)} chain ids for {len(prompts)} prompts")
+        # only finished requests come back: the engine builds no per-step outputs (vLLM's LLM does the same)
+        final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final_only[id(p)] for p in params]
         engine = self.llm_engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:

@@ -174,6 +174,80 @@ def test_streaming_deltas_add_up_and_abort_frees_pages_at_once():
     engine.abort_request("nope")
 
 
+def _outputs_by_kind(kind, stop):
+    """Every output the engine returns for three requests (n = 2 seeded sampling with logprobs and a stop string;
+    greedy; one aborted at step 5) asking for outputs of ``kind``."""
+    _, llm = tiny_llm()
+    engine = llm.llm_engine
+    prompts = prompts_of([21, 34, 9], seed=3)
+    params = [SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=14, logprobs=2, stop=stop, output_kind=kind),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=kind),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=kind)]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    outputs = []
+    for step in range(200):
+        if step == 5:
+            engine.abort_request("r2")
+        outputs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.stats().free_pages == engine.stats().total_pages
+    return outputs
+
+
+def _completion(c):
+    return c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason
+
+
+def test_output_kinds_carry_the_same_completions():
+    """CUMULATIVE (every step, everything so far), DELTA (every step, only what it added) and FINAL_ONLY (one output
+    at the end) report the same completions: the deltas add up to the cumulative text, tokens and logprobs (stop
+    strings held back alike), and a final-only request returns exactly one output, equal to the last cumulative one."""
+    from sparsecompile import RequestOutputKind
+
+    first = _outputs_by_kind(RequestOutputKind.CUMULATIVE, None)
+    tokens = next(o for o in reversed(first) if o.request_id == "r0").outputs[0].token_ids
+    stop = f"{tokens[5]} {tokens[6]}"  # DigitTokenizer: token t decodes to "t "
+    cumulative = _outputs_by_kind(RequestOutputKind.CUMULATIVE, stop)
+    final = {o.request_id: o for o in cumulative if o.finished}
+    assert set(final) == {"r0", "r1", "r2"} and final["r2"].outputs[0].finish_reason == "abort"
+    assert final["r0"].outputs[0].finish_reason == "stop" and final["r0"].outputs[0].stop_reason == stop
+
+    only = _outputs_by_kind(RequestOutputKind.FINAL_ONLY, stop)
+    assert sorted(o.request_id for o in only) == ["r0", "r1", "r2"] and all(o.finished for o in only)
+    for out in only:
+        want = final[out.request_id]
+        assert [_completion(c) for c in out.outputs] == [_completion(c) for c in want.outputs]
+        assert [c.delta_token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
+
+    delta = _outputs_by_kind("delta", stop)  # a name works too
+    assert [o.request_id for o in delta] == [o.request_id for o in cumulative]
+    for rid, want in final.items():
+        mine = [o for o in delta if o.request_id == rid]
+        assert mine[-1].finished and not any(o.finished for o in mine[:-1])
+        for index, w in enumerate(want.outputs):
+            parts = [o.outputs[index] for o in mine]
+            assert all(c.text == c.delta_text and c.token_ids == c.delta_token_ids for c in parts)
+            assert "".join(c.text for c in parts) == w.text
+            assert sum((c.token_ids for c in parts), []) == w.token_ids
+            if w.logprobs is not None:
+                assert sum((c.logprobs for c in parts), []) == w.logprobs
+            assert _completion(parts[-1])[3:] == _completion(w)[3:]
+
+
+def test_generate_asks_for_final_outputs_without_changing_the_callers_params():
+    from sparsecompile import RequestOutputKind
+
+    reference, llm = tiny_llm()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = llm.generate(prompts_of([7, 19]), params, use_tqdm=False)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts_of([7, 19]), 8)
+    with pytest.raises(RequestRejected, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="partial")
+
+
 def test_bad_requests_are_rejected_and_leave_nothing_behind():
     _, llm = tiny_llm(max_model_len=64)
     engine = llm.llm_engine

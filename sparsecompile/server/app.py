@@ -81,15 +81,18 @@ def _sse(payload: Any) -> str:
 
 
 def _usage(output: RequestOutput) -> UsageInfo:
+    """A final (cumulative) output's token counts."""
     return UsageInfo.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
 
 
 class _Deltas:
     """Per streamed choice: what a new output adds (text, tokens and their logprobs), and whether its finish reason
-    is news (each choice's finish is sent once, though every later output repeats it)."""
+    is news (each choice's finish is sent once, though every later output repeats it). Streamed requests ask for
+    ``DELTA`` outputs (only what each step added), so the tokens sent are counted here for the usage chunk."""
 
     def __init__(self) -> None:
         self.finished: set[int] = set()
+        self.generated = 0
 
     def __call__(self, completion: CompletionOutput) -> tuple[list[int], list, str | None]:
         ids = completion.delta_token_ids
@@ -97,7 +100,11 @@ class _Deltas:
         reason = completion.finish_reason if completion.index not in self.finished else None
         if reason is not None:
             self.finished.add(completion.index)
+        self.generated += len(ids)
         return ids, steps, reason
+
+    def usage(self, output: RequestOutput) -> UsageInfo:
+        return UsageInfo.of(len(output.prompt_token_ids), self.generated)
 
 
 def create_app(engine: Engine, served_model_name: str | None = None, config: ServerConfig | None = None) -> FastAPI:
@@ -261,7 +268,7 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
                         offsets[c.index] = item.logprobs.text_offset[-1] + len(item.logprobs.tokens[-1])
                     yield _sse(chunk([item]))
                 if output.finished and body.include_usage:
-                    yield _sse(chunk([], _usage(output)))
+                    yield _sse(chunk([], deltas.usage(output)))
             yield "data: [DONE]\n\n"
 
         def build(final: RequestOutput) -> CompletionResponse:
@@ -309,7 +316,7 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
                         yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
                                                           stop_reason=c.stop_reason)]))
                 if output.finished and body.include_usage:
-                    yield _sse(chunk([], _usage(output)))
+                    yield _sse(chunk([], deltas.usage(output)))
             yield "data: [DONE]\n\n"
 
         def build(final: RequestOutput) -> ChatCompletionResponse:

@@ -96,11 +96,12 @@ def _settle(future: asyncio.Future, result: Any = None, error: BaseException | N
 
 
 def _detached(output: RequestOutput) -> RequestOutput:
-    """A copy of ``output`` that later engine steps cannot change (the engine may update its objects in place)."""
+    """A copy of ``output`` that later engine steps cannot change (the engine may update its objects in place). The
+    prompt's ids are the engine's own list, which it never changes: not copied (a long prompt, every step)."""
     completions = [dataclasses.replace(c, token_ids=list(c.token_ids), delta_token_ids=list(c.delta_token_ids),
                                        logprobs=None if c.logprobs is None else list(c.logprobs))
                    for c in output.outputs]
-    return dataclasses.replace(output, prompt_token_ids=list(output.prompt_token_ids), outputs=completions)
+    return dataclasses.replace(output, outputs=completions)
 
 
 class RequestStream:
@@ -362,7 +363,9 @@ class AsyncEngine:
             metrics.generation_tokens.inc(len(completion.delta_token_ids))
             if completion.token_ids and not stream.saw_first_token:
                 stream.saw_first_token = True
-                metrics.time_to_first_token.observe(now - stream.arrival)
+                # when the engine sampled it: a request that reports only its final output has its first here too
+                first = output.metrics.first_token_time
+                metrics.time_to_first_token.observe((now if first is None else first) - stream.arrival)
         if output.finished:
             reason = output.outputs[0].finish_reason if output.outputs else "abort"
             metrics.requests_finished.labels(finish_reason=reason or "unknown").inc()

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from ..serving.outputs import MAX_LOGPROBS, RequestRejected, SamplingParams
+from ..serving.outputs import MAX_LOGPROBS, RequestOutputKind, RequestRejected, SamplingParams
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
 #: request fields passed to SamplingParams as they are
@@ -80,8 +80,8 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams` for this request (a request without a seed takes the
-        engine's default, ``ServingConfig.seed``);
-        raises ``RequestRejected`` on bad values."""
+        engine's default, ``ServingConfig.seed``): a streamed one's outputs are the deltas each step added, another's
+        the final one only. Raises ``RequestRejected`` on bad values."""
         bias = None
         if self.logit_bias:
             bias = {}
@@ -90,8 +90,9 @@ class _SamplingFields(BaseModel):
                     raise RequestRejected(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
                 bias[int(key)] = value
         same = {name: getattr(self, name) for name in _SAME_AS_SAMPLING_PARAMS}
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(max_tokens=max_tokens, logit_bias=bias, logprobs=self._logprobs(),
-                              prompt_logprobs=self._prompt_logprobs(), **same)
+                              prompt_logprobs=self._prompt_logprobs(), output_kind=kind, **same)
 
     @property
     def include_usage(self) -> bool:

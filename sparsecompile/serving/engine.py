@@ -436,6 +436,7 @@ class LLMEngine(StepForwards):
 
     @staticmethod
     def _outputs(changed: list[LiveSequence]) -> list[RequestOutput]:
-        """One output per request with a changed sequence (in order of first change)."""
-        groups = list({id(lv.group): lv.group for lv in changed}.values())
-        return [group.output() for group in groups]
+        """One output per request with a changed sequence (in order of first change); a ``FINAL_ONLY`` request's
+        only when it finishes."""
+        groups = {id(lv.group): lv.group for lv in changed}.values()
+        return [group.output() for group in groups if group.reports_every_step or group.done]

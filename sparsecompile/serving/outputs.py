@@ -5,6 +5,7 @@ Names and meanings follow vLLM's, so code written against ``vllm.LLM`` reads the
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +18,21 @@ class RequestRejected(ValueError):
 SAMPLING_EPS = 1e-5
 #: Most top logprobs a request may ask for per token (``logprobs``, ``prompt_logprobs``), as vLLM's default.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each :class:`RequestOutput` of a request carries (vLLM's names and meanings).
+
+    ``CUMULATIVE``: an output every step that changed the request, each completion's text, tokens and logprobs so
+    far plus this step's delta. ``DELTA``: an output every such step holding only this step's text, tokens and
+    logprobs (``text`` / ``token_ids`` / ``logprobs`` equal the deltas; ``cumulative_logprob`` stays cumulative):
+    a streaming server's chunks, without copying a growing completion every step. ``FINAL_ONLY``: one output,
+    when the request finishes (cumulative): offline generation, with no per-step output at all.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _number(value: object) -> bool:
@@ -58,6 +74,8 @@ class SamplingParams:
             (0..20; None = off). Log-probabilities are the model's (log-softmax of the raw logits, before
             penalties, bias and temperature), as vLLM's default ``raw_logprobs``.
         prompt_logprobs: the same for every prompt token after the first (0..20; None = off).
+        output_kind: what each output of the request carries (:class:`RequestOutputKind`; a name such as
+            ``"delta"`` is accepted). ``LLM.generate`` asks for ``FINAL_ONLY`` itself.
     """
 
     max_tokens: int = 16
@@ -79,8 +97,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if isinstance(self.output_kind, str) and self.output_kind.upper() in RequestOutputKind.__members__:
+            self.output_kind = RequestOutputKind[self.output_kind.upper()]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -130,6 +151,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _integer(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = ", ".join(k.name.lower() for k in RequestOutputKind)
+            raise bad(f"output_kind must be a RequestOutputKind ({kinds}), got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

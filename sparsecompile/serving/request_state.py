@@ -13,6 +13,7 @@ from .outputs import (
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
+    RequestOutputKind,
     SampleLogprobs,
     SamplingParams,
 )
@@ -34,7 +35,9 @@ class RequestGroup:
     aborted: bool = False
 
     def output(self) -> RequestOutput:
-        """The request's state for its caller: every completion (this step's deltas since the last output)."""
+        """The request's state for its caller: every completion, with what changed since the last output as its
+        deltas (``params.output_kind`` DELTA: the deltas alone, so a long completion is not copied every step)."""
+        delta_only = self.params.output_kind is RequestOutputKind.DELTA
         completions = []
         for index in range(self.params.n):
             if index >= len(self.seqs):  # aborted before its first token: nothing was sampled
@@ -43,17 +46,27 @@ class RequestGroup:
             live = self.seqs[index]
             r, d = live.request, live.detok
             new_ids = r.output_ids[live.reported:]
+            new_text = d.delta(r.finish_reason is not None)
+            if delta_only:
+                logprobs = None if live.logprobs is None else live.logprobs[live.reported:]
+                text, ids = new_text, list(new_ids)
+            else:
+                logprobs = None if live.logprobs is None else list(live.logprobs)
+                text, ids = d.text, list(r.output_ids)
             live.reported = len(r.output_ids)
-            logprobs = None if live.logprobs is None else list(live.logprobs)
-            completions.append(CompletionOutput(index, d.text, list(r.output_ids), r.finish_reason, r.stop_reason,
-                                                d.delta(r.finish_reason is not None), new_ids, logprobs,
-                                                live.cumulative_logprob))
+            completions.append(CompletionOutput(index, text, ids, r.finish_reason, r.stop_reason, new_text, new_ids,
+                                                logprobs, live.cumulative_logprob))
         finished = all(c.finish_reason is not None for c in completions)
         # prompt_token_ids is the engine's own list (copying a long prompt every step costs more): do not mutate it;
         # prompt_logprobs is complete (and no longer changes) once a request has an output
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, finished,
                              replace(self.metrics), self.prompt_logprobs,
                              chain_id=self.seqs[0].request.chain_id if self.seqs else None)
+
+    @property
+    def reports_every_step(self) -> bool:
+        """Whether the caller wants an output at every step that changes the request (not ``FINAL_ONLY``)."""
+        return self.params.output_kind is not RequestOutputKind.FINAL_ONLY
 
     @property
     def done(self) -> bool:
