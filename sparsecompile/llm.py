@@ -200,6 +200,9 @@ class LLM:
         chains = [None] * len(prompts) if chain_ids is None else list(chain_ids)
         if len(chains) != len(prompts):
             raise ValueError(f"got {len(chains)} chain ids for {len(prompts)} prompts")
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"sampling_params must be SamplingParams (one or one per prompt), got {type(bad).__name__}")
         # only finished requests come back: the engine builds no per-step outputs (vLLM's LLM does the same)
         final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
         params = [final_only[id(p)] for p in params]

@@ -246,6 +246,8 @@ def test_generate_asks_for_final_outputs_without_changing_the_callers_params():
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens(reference, prompts_of([7, 19]), 8)
     with pytest.raises(RequestRejected, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="partial")
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        llm.generate(prompts_of([7]), {"max_tokens": 8}, use_tqdm=False)
 
 
 def test_bad_requests_are_rejected_and_leave_nothing_behind():
