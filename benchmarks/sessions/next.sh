@@ -46,6 +46,11 @@
 # kivi_gluon_fp16.patch, kivi_gluon_ring.patch (each applies alone on main; kivi_offset_variants.patch is stale, a
 # record). Next: kivi_fp16 (every KIVI GPU test with it; bf16 A/B), kivi_ring, kivi_ncu (2-bit stalls), kivi_small,
 # test_export_cuda alone; #18 if the two-GPU kind is lent.
+# 2026-12-05 nineteenth session: no device lent (paused). The kernels split (kivi_triton.py, paged_attention_variants.py,
+# attention_mass_reference.py: code moved unchanged); kivi_gluon_fp16.patch and kivi_gluon_ring.patch regenerated on
+# the split (each applies alone on main; the CPU KIVI kernel and Gluon compile tests pass with each). New stage:
+# kivi_profile (the step's kernels besides the attention). Order next time: kivi_ring (it drops a launch a layer),
+# kivi_ncu, kivi_profile, kivi_fp16, verify (the splits moved code every GPU path imports).
 # 2026-12-04 fifteenth session: no device lent (paused). Prepared: kivi_pipe now measures three kernels in one call
 # (the package's, sessions/kivi_gluon_lean.patch: int32 visibility, the 2^33 unit in the exp2's FMA, stages carried,
 # the probabilities lifted by 2^80 instead of 2^100; sessions/kivi_gluon_pipe.patch: lean + the software-pipelined
@@ -671,6 +676,14 @@ kivi_ncu)  # #20 (prepared 2026-12-04 fourteenth session): where the 2-bit Gluon
     --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis \
     python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
   echo "ncu rc=$?"; grep -E "Stall|Issued Warp|Eligible|Active Warps|Throughput|Warp Cycles" "$OUT/kivi_gluon_ncu_h200.txt" | head -30 ;;
+kivi_profile)  # #20 (prepared 2026-12-05 nineteenth session): where kivi2's 9.38 ms step and snapkv+kivi's 5.6 ms
+  # step at 128K x 4 go besides the attention (2.5x needs 8.45 ms; snapkv+kivi is at 61.9 % of its floor): the
+  # engine decode of both profiled by torch.profiler (profile_*_128k_b4.txt: every kernel's time a step) (~5 min)
+  timeout -s INT 330 python3 benchmarks/decode.py --methods kivi2,snapkv+kivi --points 131072x4 --profile 131072x4 \
+    --no-hf --hf-static "" --max-batch "" --prefill "" --steps 64 --warmup 16 --tag _kivi_profile_h200 \
+    --out "$OUT" > "$OUT/kivi_profile.log" 2>&1
+  echo "rc=$?"; grep '"method"' "$OUT/kivi_profile.log" | cut -c1-200
+  for f in "$OUT"/profile_*_128k_b4.txt; do echo "== $f"; head -32 "$f" | cut -c1-60,120-200; done ;;
 kivi_small)  # #20 (prepared 2026-12-04 fourteenth session): the Gluon KIVI decode's splits at the single-sequence points
   # (22 / 47 % of the bandwidth at 32K x 1 / 128K x 1, five groups a split at 32K x 1): programs an SM x the fewest
   # groups a split, 2 and 4 bits, each variant's error against the reference (~3 min)
