@@ -138,7 +138,8 @@ def run_arm(llm: LLM, method: str, arm: str, args: argparse.Namespace) -> dict[s
             s.history = s.history + s.tools[s.turn]
             logical_prompt += len(s.history)
             request_id = f"{method}-{arm}-{s.index}-{s.turn}"
-            params = SamplingParams(temperature=0, max_tokens=s.outputs[s.turn], ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=s.outputs[s.turn], ignore_eos=True,
+                                    output_kind="final_only")
             engine.add_request(request_id, list(s.history), params,
                                **({"chain_id": f"s{s.index}"} if arm in ("chain", "prune") else {}))
             live[request_id] = (s, time.monotonic())

@@ -106,7 +106,8 @@ def run_mode(model, args: argparse.Namespace, mode: str) -> dict:
         rng = np.random.default_rng(0)
         prompt = lambda: rng.integers(3, 1000, args.prompt).tolist()  # noqa: E731
         times: dict[str, list[float]] = {}
-        long = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0)
+        # the running streams report their deltas, as the server's streams do (no growing copy every step)
+        long = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0, output_kind="delta")
         for i in range(args.running):
             engine.add_request(f"run-{i}", prompt(), long)
             times[f"run-{i}"] = []

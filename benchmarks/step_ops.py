@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = lambda n: rng.integers(3, 1000, n).tolist()  # noqa: E731
     for i in range(args.running):
         engine.add_request(f"run-{i}", prompt(4 * args.chunk), SamplingParams(max_tokens=100000, ignore_eos=True,
-                                                                              temperature=0))
+                                                                              temperature=0, output_kind="delta"))
     for _ in range(4 * args.running):  # every stream past its prompt
         engine.step()
     for i in range(64):  # enough prompt chunks for every timed step
