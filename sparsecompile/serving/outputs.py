@@ -229,8 +229,9 @@ class RequestMetrics:
 class CompletionOutput:
     """The generated part of one request.
 
-    ``text`` / ``token_ids`` are cumulative; ``delta_text`` / ``delta_token_ids`` hold what the last engine step
-    added (what a streaming client sends on). ``index`` is the completion's place among the request's ``n``.
+    ``text`` / ``token_ids`` are cumulative (with ``RequestOutputKind.DELTA``, like ``logprobs``, only what this
+    output adds); ``delta_text`` / ``delta_token_ids`` hold what was added since the request's previous output (what
+    a streaming client sends on). ``index`` is the completion's place among the request's ``n``.
     ``logprobs`` (when requested) has one entry per token of ``token_ids``; ``cumulative_logprob`` sums the sampled
     tokens' log-probabilities. ``finish_reason``: None while running, then "stop" (EOS, a stop
     string or a stop token), "length" (``max_tokens``) or "abort" (cancelled). ``stop_reason`` is the stop
