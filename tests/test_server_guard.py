@@ -1,6 +1,7 @@
 """The server against a hostile client (CPU, a scripted engine, uvicorn on 127.0.0.1): API key, Host header,
 body size and time limits, half-open connections, malformed bodies, tokenization off the engine thread,
-/metrics while a step runs, and the drain at shutdown.
+/metrics while a step runs (and a final-only request's time to first token, on a tiny model), and the drain at
+shutdown.
 """
 
 from __future__ import annotations
@@ -240,6 +241,35 @@ def test_metrics_are_current_while_a_step_runs():
                 engine.gate.set()
             assert first.result().status_code == 200 and second.result().status_code == 200
         assert gauges() == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_pages_free": 8}
+
+
+def test_time_to_first_token_is_when_the_engine_sampled_it():
+    """A non-streamed request gets only its final output from the engine (``FINAL_ONLY``): its time to first token
+    is still the first token's (the engine's ``first_token_time``), not the time the final output arrived."""
+    from test_llm import DigitTokenizer, prompts_of
+    from tiny_models import tiny_pair
+
+    from sparsecompile import LLM
+
+    _, model = tiny_pair()
+    llm = LLM(model, "vanilla", tokenizer=DigitTokenizer(), page_size=4, max_num_seqs=2, model_name="tiny")
+    app = create_app(llm.llm_engine)
+
+    async def run() -> dict[str, float]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
+            body = {"model": "tiny", "prompt": prompts_of([9])[0], "max_tokens": 60, "temperature": 0,
+                    "ignore_eos": True}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            text = (await client.get("/metrics")).text
+        app.state.async_engine.shutdown()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.endswith(("time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum"))}
+
+    sums = asyncio.run(run())
+    ttft = sums["sparsecompile_time_to_first_token_seconds_sum"]
+    e2e = sums["sparsecompile_e2e_request_latency_seconds_sum"]
+    assert 0 < ttft < e2e  # 59 decode steps come after the first token
 
 
 def test_drain_ends_streams_with_an_error_event_and_refuses_new_requests():
