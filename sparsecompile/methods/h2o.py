@@ -39,7 +39,8 @@ from ..config import MethodConfigError, option
 from ..kernels import gather_slots, h2o_accumulate, h2o_accumulate_logits, h2o_accumulate_lse
 from ..runtime.contract import LayerContext, PrefillMode
 from ..runtime.host import to_device
-from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive, recent_mask, resident
+from .eviction import EvictionConfig, EvictionRuntime, check_positive
+from .eviction_ops import INF, recent_mask, resident
 from .registry import register_method
 
 if TYPE_CHECKING:

@@ -37,7 +37,8 @@ import torch
 from ..config import MethodConfigError
 from ..kernels import gather_slots
 from ..runtime.host import to_device
-from .eviction import INF, POSITIONS, EvictionRuntime, resident
+from .eviction import POSITIONS, EvictionRuntime
+from .eviction_ops import INF, resident
 from .eviction_oracle import EvictionMemoryOracle
 
 if TYPE_CHECKING:

@@ -41,7 +41,8 @@ from ..config import MethodConfigError, option
 from ..kernels import gather_slots
 from ..runtime.contract import LayerContext, ScoringPass
 from ..runtime.host import to_device
-from .eviction import INF, EvictionConfig, EvictionMemoryOracle, EvictionRuntime, check_positive
+from .eviction import EvictionConfig, EvictionMemoryOracle, EvictionRuntime, check_positive
+from .eviction_ops import INF
 from .interval_scoring import ReconstructionScorer, keep_slots, resident_layout
 from .registry import register_method
 

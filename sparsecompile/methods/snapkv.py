@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from ..config import MethodConfigError, option
 from ..kernels import snapkv_scores
 from ..runtime.contract import LayerContext
-from .eviction import INF, EvictionConfig, EvictionRuntime, check_positive
+from .eviction import EvictionConfig, EvictionRuntime, check_positive
+from .eviction_ops import INF
 from .registry import register_method
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MethodConfigError, option
-from .eviction import INF, POSITIONS, EvictionConfig, EvictionRuntime, resident
+from .eviction import POSITIONS, EvictionConfig, EvictionRuntime
+from .eviction_ops import INF, resident
 from .registry import register_method
 
 if TYPE_CHECKING:
