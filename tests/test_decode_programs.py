@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_pair
 
 import sparsecompile
-import sparsecompile.runtime.controller as controller_module
+import sparsecompile.runtime.decode_unit as decode_unit
 from sparsecompile.models.hf_patch import patched_model
 from sparsecompile.serving.decode_programs import LiveWeights, PrecompiledDecode, base_key, directory
 
@@ -19,7 +19,7 @@ from sparsecompile.serving.decode_programs import LiveWeights, PrecompiledDecode
 @pytest.mark.slow
 def test_a_later_process_runs_the_precompiled_program_token_for_token(tmp_path, monkeypatch, sparsecompile_log):
     monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
-    monkeypatch.setattr(controller_module, "compile_step", lambda fn, backend: fn)
+    monkeypatch.setattr(decode_unit, "compile_step", lambda fn, backend: fn)
     _, model = tiny_pair("llama")
     ids = torch.randint(3, 90, (1, 37), generator=torch.Generator().manual_seed(3))
     options = {"budget": 24, "compile": True, "cuda_graphs": False}  # h2o: decode eviction over method buffers
