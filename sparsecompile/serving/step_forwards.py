@@ -34,8 +34,8 @@ class _ChunkInputs:
 
 
 class StepForwards:
-    """Runs a step's forwards over the engine's controller, scheduler and live sequences; sampling stays the
-    engine's (``_sample``)."""
+    """Runs a step's forwards over the engine's controller, scheduler and live sequences; sampling is
+    :class:`~.step_sampling.StepSampling`'s (``_sample``)."""
 
     controller: SparseController
     patched: ServedModel
@@ -47,7 +47,7 @@ class StepForwards:
     _forward: Callable[..., torch.Tensor]  # of prefill and mixed steps: the patched inner, or a CompiledForward
     _live: dict[Request, LiveSequence]
     _counters: dict[str, int]
-    # and the engine's _sample, _wants_prompt_logprobs, _record_prompt_logprobs
+    # and StepSampling's _sample, _wants_prompt_logprobs, _record_prompt_logprobs (step_sampling.py)
 
     @staticmethod
     def _decode_inputs(requests: list[Request], device: torch.device | str) -> tuple[list[int], torch.Tensor,
