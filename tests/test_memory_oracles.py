@@ -395,3 +395,33 @@ def test_measured_prompt_slots_follow_the_same_formulas(method, options):
     if "+" in method:  # the re-read's extra tokens and the chunk-wise bound come from the policy too
         for resident, suffix in (([5] * L, 40), ([30] * L, 3)):
             assert o.resumed_peak_slots(resident, 100, suffix) == o.base.resumed_peak_slots(resident, 100, suffix)
+
+
+@pytest.mark.parametrize("method,options", GROWING + EVICTING + STORED, ids=_ids)
+@given(lists=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 90)), min_size=1, max_size=5),
+       uniform=st.booleans(), n=st.integers(1, 200), g=st.integers(0, 60), new=st.integers(1, 3))
+@settings(max_examples=25, deadline=None)
+def test_per_layer_shortcuts_answer_as_every_layer(method, options, lists, uniform, n, g, new):
+    """The scheduler asks these per running request and step, so layers alike take a shortcut (one layer's answer
+    for all) and an eviction oracle memoizes its budgets per prompt length: each answers as the layer-by-layer
+    formula and as a fresh oracle (memo empty) does, for prompt lengths asked in turn and again."""
+    info = ModelInfo("toy", L, 2 * KV_HEADS, KV_HEADS, 16, tuple(f"layer{i}" for i in range(L)), None)
+
+    def build() -> MemoryOracle:
+        return build_runtime(method, options, info).memory_oracle(KVLayout(L, KV_HEADS, 16, PAGE, torch.float32, CPU))
+
+    o = build()
+    resident = [lists[0][0]] * L if uniform else [lists[i % len(lists)][0] for i in range(L)]
+    held = [max(r, lists[0][1]) for r in resident] if uniform else [max(r, lists[i % len(lists)][1])
+                                                                    for i, r in enumerate(resident)]
+    grown = [max(h, s + new) for s, h in zip(resident, held)]
+    assert o.growth_cost(resident, held, new) == {"kv_pages": pages(grown) - pages(held)}
+    assert o.pages_for(resident) == pages(resident)
+    for m in (n, n + 37, 1 + n // 3, n, n + 37):  # the last two from the memo
+        fresh = build()
+        assert o.resident_slots_per_layer(m, g) == fresh.resident_slots_per_layer(m, g)
+        assert o.held_slots_per_layer(m, g) == fresh.held_slots_per_layer(m, g)
+        assert o.peak_slots_per_layer(m, g) == fresh.peak_slots_per_layer(m, g)
+        assert o.resumed_held_slots(resident, m, g) == [fresh.resumed_held_slots([r], m, g)[0] for r in resident]
+        assert o.resumed_resident_slots(resident, m, g) == [fresh.resumed_resident_slots([r], m, g)[0]
+                                                              for r in resident]

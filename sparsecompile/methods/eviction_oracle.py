@@ -29,36 +29,55 @@ class EvictionMemoryOracle(MemoryOracle):
         super().__init__(layout)
         self.kept, self.decode_budget, self.interval = kept, decode_budget, interval
         self.chunk_eviction, self.prefill_chunk = chunk_eviction, prefill_chunk
+        self._memo: dict[int, tuple[list[int], int | None]] = {}  # prompt_len -> (kept, decode budget)
 
-    def _after(self, prompt_len: int, kept: int, generated: int, transient: bool) -> int:
-        """Slots after ``generated`` decode steps (``transient``: the most any of them held before its eviction)."""
+    def _budgets(self, prompt_len: int) -> tuple[list[int], int | None]:
+        """``kept(prompt_len)`` and ``decode_budget(prompt_len)``, memoized per prompt length: the scheduler asks
+        for every running request at every step, and the method's callables build a list of every layer's budget
+        per call (the method's budgets are fixed for its runtime's life). Callers only read the list."""
+        found = self._memo.get(prompt_len)
+        if found is None:
+            if len(self._memo) >= 4096:  # distinct prompt lengths seen: bounded, most recent kept by refilling
+                self._memo.clear()
+            budget = None if self.decode_budget is None else self.decode_budget(prompt_len)
+            found = self._memo[prompt_len] = (list(self.kept(prompt_len)), budget)
+        return found
+
+    def _after(self, budget: int | None, kept: int, generated: int, transient: bool) -> int:
+        """Slots after ``generated`` decode steps (``budget``: the decode budget, :meth:`_budgets`; ``transient``:
+        the most any of them held before its eviction)."""
         total = kept + generated
-        if self.decode_budget is None:
-            return total
-        budget = self.decode_budget(prompt_len)
-        if total < budget + self.interval:
+        if budget is None or total < budget + self.interval:
             return total
         return budget + self.interval if transient else budget + (total - budget) % self.interval
 
+    def _decoded(self, prompt_len: int, kept: list[int], generated: int, transient: bool) -> list[int]:
+        """:meth:`_after` of each layer's ``kept`` slots; once when every layer keeps alike."""
+        budget = self._budgets(prompt_len)[1]
+        if kept and kept.count(kept[0]) == len(kept):
+            return [self._after(budget, kept[0], generated, transient)] * len(kept)
+        return [self._after(budget, k, generated, transient) for k in kept]
+
     def peak_slots_per_layer(self, prompt_len: int, max_new_tokens: int) -> list[int]:
         peaks = []
-        for kept in self.kept(prompt_len):
+        kept_per_layer, budget = self._budgets(prompt_len)
+        for kept in kept_per_layer:
             prefill = prompt_len
             if self.chunk_eviction and self.prefill_chunk:
                 prefill = min(prompt_len, kept + self.prefill_chunk)
-            peaks.append(max(prefill, self._after(prompt_len, kept, max_new_tokens, transient=True)))
+            peaks.append(max(prefill, self._after(budget, kept, max_new_tokens, transient=True)))
         return peaks
 
     def resident_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
-        return [self._after(prompt_len, kept, generated, transient=False) for kept in self.kept(prompt_len)]
+        return self._decoded(prompt_len, self._budgets(prompt_len)[0], generated, transient=False)
 
     def held_slots_per_layer(self, prompt_len: int, generated: int) -> list[int]:
-        return [self._after(prompt_len, kept, generated, transient=True) for kept in self.kept(prompt_len)]
+        return self._decoded(prompt_len, self._budgets(prompt_len)[0], generated, transient=True)
 
     def resumed_peak_slots(self, resident: list[int], prompt_len: int, suffix: int) -> list[int]:
         """A resumed row appends the suffix to what it holds; chunk-wise eviction bounds it by the budget + a chunk."""
         peaks = []
-        for held, kept in zip(resident, self.kept(prompt_len)):
+        for held, kept in zip(resident, self._budgets(prompt_len)[0]):
             peak = held + suffix
             if self.chunk_eviction and self.prefill_chunk:
                 peak = min(peak, max(held, kept) + self.prefill_chunk)
@@ -66,7 +85,7 @@ class EvictionMemoryOracle(MemoryOracle):
         return peaks
 
     def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
-        return [self._after(prompt_len, held, generated, transient=False) for held in after_prompt]
+        return self._decoded(prompt_len, list(after_prompt), generated, transient=False)
 
     def resumed_held_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
-        return [self._after(prompt_len, held, generated, transient=True) for held in after_prompt]
+        return self._decoded(prompt_len, list(after_prompt), generated, transient=True)

@@ -43,8 +43,8 @@ class MemoryOracle(ABC):
 
     def pages_for(self, slots_per_layer: list[int]) -> int:
         P, slots = self.layout.page_size, list(slots_per_layer)
-        if slots and slots.count(slots[0]) == len(slots):  # every layer alike (dense methods): the scheduler asks
-            return len(slots) * -(-int(slots[0]) // P)  # this per running request and step
+        if slots and _uniform(slots):  # every layer alike (most methods): the scheduler asks this per running
+            return len(slots) * -(-int(slots[0]) // P)  # request and step
         return sum(-(-int(s) // P) for s in slots)
 
     def prompt_buffer_bytes(self, prompt_len: int) -> int:
@@ -78,7 +78,10 @@ class MemoryOracle(ABC):
 
     def growth_cost(self, resident: list[int], held: list[int], new_tokens: int) -> dict[str, int]:
         """Pages ``new_tokens`` more slots per layer take beyond the pages of ``held`` slots."""
-        grown = [max(h, s + new_tokens) for s, h in zip(resident, held)]
+        if resident and _uniform(resident) and _uniform(held):  # every layer alike: one layer's growth, all layers'
+            grown = [max(held[0], resident[0] + new_tokens)] * len(held)  # pages (pages_for takes its fast path)
+        else:
+            grown = [max(h, s + new_tokens) for s, h in zip(resident, held)]
         return {"kv_pages": self.pages_for(grown) - self.pages_for(held)}
 
     # ---- resumed rows (a chain continuation: the row already holds a compacted prefix; serving/reuse.py)
@@ -90,6 +93,8 @@ class MemoryOracle(ABC):
     def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
         """Slots each layer holds after ``generated`` decode tokens when the prompt (of ``prompt_len`` logical tokens)
         left ``after_prompt`` slots per layer (measured on the row, not derived from ``prompt_len``)."""
+        if after_prompt and _uniform(after_prompt):  # the engine's case for every request after its prompt
+            return [after_prompt[0] + generated] * len(after_prompt)
         return [c + generated for c in after_prompt]
 
     def resumed_held_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
@@ -105,3 +110,8 @@ class DenseMemoryOracle(MemoryOracle):
 
     def peak_slots_per_layer(self, prompt_len: int, max_new_tokens: int) -> list[int]:
         return [prompt_len + max_new_tokens] * self.layout.num_layers
+
+
+def _uniform(values: list[int]) -> bool:
+    """Every entry equals the first (a C-speed count: the per-layer lists the scheduler handles each step)."""
+    return values.count(values[0]) == len(values)
