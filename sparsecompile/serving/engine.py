@@ -32,7 +32,7 @@ from torch import nn
 from ..config import ServingConfig
 from ..runtime.compilation import allow_recompiles, wanted
 from ..runtime.row_ops import table_width
-from .detokenizer import Detokenizer
+from .detokenizer import Detokenizer, text_decoder
 from .interface import ServedModel
 from .logprobs import LogprobRecorder
 from .outputs import (
@@ -163,6 +163,7 @@ class LLMEngine(StepSampling, StepForwards):
         self._groups: dict[str, RequestGroup] = {}  # by request id
         self._live: dict[Request, LiveSequence] = {}  # by scheduled sequence
         self._logprobs = LogprobRecorder(tokenizer)
+        self._decode_text = text_decoder(tokenizer)  # every request's detokenizer decodes through it
         self._aborted: list[RequestOutput] = []
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self._default_seeds = 0  # requests seeded from config.seed so far
@@ -217,7 +218,8 @@ class LLMEngine(StepSampling, StepForwards):
     def _add_seq(self, group: RequestGroup, request: Request) -> LiveSequence:
         """Track ``request`` as completion ``len(group.seqs)`` of ``group``."""
         params, index = group.params, len(group.seqs)
-        live = LiveSequence(request, Detokenizer(self.tokenizer, params, self.eos_token_ids, request.prompt_ids),
+        live = LiveSequence(request, Detokenizer(self.tokenizer, params, self.eos_token_ids, request.prompt_ids,
+                                                   self._decode_text),
                             make_generator(child_seed(params.seed, index), self.device), group, index)
         if params.processes_logits:
             live.history = TokenHistory(request.prompt_ids, request.output_ids)
