@@ -37,7 +37,7 @@ class EvictionMemoryOracle(MemoryOracle):
         per call (the method's budgets are fixed for its runtime's life). Callers only read the list."""
         found = self._memo.get(prompt_len)
         if found is None:
-            if len(self._memo) >= 4096:  # distinct prompt lengths seen: bounded, most recent kept by refilling
+            if len(self._memo) >= 4096:  # bounded: emptied when it holds 4,096 prompt lengths, then refilled
                 self._memo.clear()
             budget = None if self.decode_budget is None else self.decode_budget(prompt_len)
             found = self._memo[prompt_len] = (list(self.kept(prompt_len)), budget)
