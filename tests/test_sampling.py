@@ -382,6 +382,33 @@ def test_process_logits_matches_the_definitions_row_by_row():
     assert torch.isinf(got[3, [7, 11, 12]]).all() and not torch.isinf(got[4]).any()  # ignore_eos keeps EOS open
 
 
+@given(ops=st.lists(st.one_of(st.integers(0, 39), st.just(-1)), max_size=200))
+@settings(max_examples=40, deadline=None)
+def test_penalties_follow_outputs_that_grow_between_steps(ops):
+    """A history copies only the tokens added since the last step (``TokenHistory.output_array``): through appends,
+    its buffer's growth and a cut list read before it grows again (-1: drop the last half), each step's penalties
+    equal the definitions over the whole output so far."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 40, generator=g) * 3
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2),
+              SamplingParams(presence_penalty=0.7, logit_bias={1: 2.0})]
+    outputs = [[k % 40 for k in range(70)], [5]]  # 70: the buffer grows (by copying what it holds) past 70
+    histories = [TokenHistory([3, 4], outputs[0]), TokenHistory([], outputs[1])]
+    assert histories[0].output_array().tolist() == outputs[0]
+    for k, op in enumerate(ops):
+        out = outputs[k % 2]
+        if op < 0:
+            del out[len(out) // 2:]
+        else:
+            out.append(op)
+        assert histories[k % 2].output_array().tolist() == out
+        if k % 7 == 0 or k == len(ops) - 1:
+            got = process_logits(logits.clone(), params, histories)
+            for i, h in enumerate(histories):
+                want = _reference_processing(logits[i].numpy(), params[i], list(h.prompt_ids), outputs[i], set())
+                np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_greedy_rows_pick_the_argmax_of_processed_logits():
     logits = torch.tensor([[4.0, 3.9, 0.0, -1.0]] * 3)
     params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0, min_tokens=1),
