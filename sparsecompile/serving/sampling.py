@@ -155,8 +155,8 @@ def _exponentials(shape: torch.Size, generators: list[torch.Generator | None], d
     q = torch.empty(rows, vocab, dtype=torch.float32, device=device)
     if len(seeded) < rows:
         q.exponential_()
-    for i in seeded:
-        q[i] = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=generators[i])
+    for i in seeded:  # in place on the row (contiguous, ``vocab`` numbers: the draw of a fresh tensor, one launch)
+        q[i].exponential_(generator=generators[i])
     # Exponential draws can be exactly 0 (u = 1 in -log(1 - u) style samplers); keep probs / q finite.
     return q.clamp_(min=torch.finfo(torch.float32).tiny)
 
