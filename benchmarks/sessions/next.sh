@@ -39,6 +39,7 @@
 #   bash benchmarks/sessions/next.sh mlp_chunk        # #13 prefill MLP chunks 16K / 32K / 64K rows vs HF         ~5 min
 #   bash benchmarks/sessions/next.sh replay           # #13 replayed mixed steps: GPU tests, burst capped / replayed  ~4 min
 #   bash benchmarks/sessions/next.sh replay_b         # #13 replays of quest / omnikv tested; burst 512 / 256 timed   ~3.5 min
+#   bash benchmarks/sessions/next.sh host_serving     # serving host fixes on the GPU host; LLM.generate at batch 256 ~6 min
 # 2026-12-05 eighteenth session: device lent. kivi_pipe (lean 139.5 us vs 142.9 at 128K x 4 2-bit, 4-bit error
 # halved; pipe no faster), verify + verify_b (82 + 103 GPU tests passed), kivi_lean (the lean kernel in the package:
 # 22 KIVI GPU tests passed, 19 in the stage + 3 alone after its timeout; vanilla / kivi2 / snapkv+kivi at 128K x 4
@@ -46,6 +47,10 @@
 # kivi_gluon_fp16.patch, kivi_gluon_ring.patch (each applies alone on main; kivi_offset_variants.patch is stale, a
 # record). Next: kivi_fp16 (every KIVI GPU test with it; bf16 A/B), kivi_ring, kivi_ncu (2-bit stalls), kivi_small,
 # test_export_cuda alone; #18 if the two-GPU kind is lent.
+# 2026-12-05 twentieth session: no device lent (paused). Serving host fixes on the CPU (scheduler reservations per
+# request and step, detokenization through the Rust tokenizer, penalties' tokens copied incrementally); prepared
+# host_serving (their figures on the GPU host's CPU, LLM.generate at batch 256). Order next time: kivi_ring, kivi_ncu,
+# kivi_profile, kivi_fp16, verify, host_serving.
 # 2026-12-05 nineteenth session: no device lent (paused). The kernels split (kivi_triton.py, paged_attention_variants.py,
 # attention_mass_reference.py: code moved unchanged); kivi_gluon_fp16.patch and kivi_gluon_ring.patch regenerated on
 # the split (each applies alone on main; the CPU KIVI kernel and Gluon compile tests pass with each). New stage:
@@ -676,6 +681,17 @@ kivi_ncu)  # #20 (prepared 2026-12-04 fourteenth session): where the 2-bit Gluon
     --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis \
     python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
   echo "ncu rc=$?"; grep -E "Stall|Issued Warp|Eligible|Active Warps|Throughput|Warp Cycles" "$OUT/kivi_gluon_ncu_h200.txt" | head -30 ;;
+host_serving)  # (prepared 2026-12-05 twentieth session) the serving host fixes on the GPU host's CPU: scheduler
+  # reservations (h2o 19.0 -> 1.7 ms a step at batch 256 on the CI CPU), detokenization, penalties' tokens; then
+  # LLM.generate at batch 256 (256 requests, 512-1,024-token prompts, 256 outputs, no HF) for h2o / snapkv / vanilla:
+  # absolute output tok/s (no before: the old code is not in the tree) (~6 min)
+  for s in scheduler_host_cost detokenizer_cost penalty_host_cost; do
+    python3 "benchmarks/sessions/$s.py" > "$OUT/${s}_h200host.jsonl" 2>&1; echo "$s rc=$?"; cut -c1-120 "$OUT/${s}_h200host.jsonl" | tail -12
+  done
+  timeout -s INT 330 python3 benchmarks/serving.py --methods h2o,snapkv,vanilla --num-requests 256 --min-prompt 512 \
+    --max-prompt 1024 --min-output 256 --max-output 256 --max-num-seqs 256 --no-hf --tag _h200_batch256 \
+    --out "$OUT" > "$OUT/serving_batch256.log" 2>&1
+  echo "serving rc=$?"; tail -8 "$OUT/serving_batch256.log" | cut -c1-200 ;;
 kivi_profile)  # #20 (prepared 2026-12-05 nineteenth session): where kivi2's 9.38 ms step and snapkv+kivi's 5.6 ms
   # step at 128K x 4 go besides the attention (2.5x needs 8.45 ms; snapkv+kivi is at 61.9 % of its floor): the
   # engine decode of both profiled by torch.profiler (profile_*_128k_b4.txt: every kernel's time a step) (~5 min)
