@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsecompile.serving import sampling
 from sparsecompile.serving.outputs import RequestRejected, SamplingParams
 from sparsecompile.serving.sampling import TokenHistory, make_generator, process_logits, sample, token_logprobs
 
@@ -126,6 +127,36 @@ def test_top_p_uses_probabilities_after_top_k():
 ])
 def test_min_p_support(min_p, support):
     assert set(draws(SamplingParams(temperature=1.0, min_p=min_p)).tolist()) == support
+
+
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), vocab=st.integers(2, 300))
+@settings(max_examples=40, deadline=None)
+def test_top_k_from_a_topk_equals_top_k_from_a_sort(seed, rows, vocab):
+    """Rows with a top-k filter read only their ``max(top_k)`` largest logits (``topk``) instead of sorting all of
+    them: the same filtered logits (random logits: no ties at the k-th), top-p applied after top-k as before."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 4
+    top_k = torch.randint(1, vocab + 1, (rows,), generator=g)
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.5, torch.rand(rows, generator=g), torch.ones(rows))
+    got = sampling._top_k_top_p(x, top_k, top_p, int(top_k.max()))
+    assert torch.equal(got, sampling._top_k_top_p(x, top_k, top_p, vocab))
+
+
+def test_top_k_rows_and_sorted_rows_sample_alike(monkeypatch):
+    """A batch mixing small top-k rows (topk), top-p-only and large top-k rows (sort) and unfiltered rows samples the
+    same seeded tokens whichever path each row's filter takes."""
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i) for i, (k, p) in
+              enumerate([(3, 1.0), (0, 0.8), (30, 0.9), (0, 1.0), (39, 1.0), (5, 0.5)])]
+    logits = torch.randn(len(params), 48, generator=torch.Generator().manual_seed(3)) * 3
+
+    def draw() -> list[int]:
+        return sample(logits, params, [make_generator(p.seed, "cpu") for p in params]).tolist()
+
+    mixed = draw()  # small k by topk, the rest by sort
+    monkeypatch.setattr(sampling, "TOPK_FIRST_MAX", 0)  # every filtered row sorts
+    assert draw() == mixed
+    monkeypatch.setattr(sampling, "TOPK_FIRST_MAX", 10)  # k = 30 and 39 sort, 3 and 5 take topk
+    assert draw() == mixed
 
 
 def test_min_p_applies_after_top_p():

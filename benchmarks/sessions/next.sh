@@ -685,7 +685,7 @@ host_serving)  # (prepared 2026-12-05 twentieth session) the serving host fixes 
   # reservations (h2o 19.0 -> 1.7 ms a step at batch 256 on the CI CPU), detokenization, penalties' tokens; then
   # LLM.generate at batch 256 (256 requests, 512-1,024-token prompts, 256 outputs, no HF) for h2o / snapkv / vanilla:
   # absolute output tok/s (no before: the old code is not in the tree) (~6 min)
-  for s in scheduler_host_cost detokenizer_cost penalty_host_cost; do
+  for s in scheduler_host_cost detokenizer_cost penalty_host_cost sampling_filter_cost; do
     python3 "benchmarks/sessions/$s.py" > "$OUT/${s}_h200host.jsonl" 2>&1; echo "$s rc=$?"; cut -c1-120 "$OUT/${s}_h200host.jsonl" | tail -12
   done
   timeout -s INT 330 python3 benchmarks/serving.py --methods h2o,snapkv,vanilla --num-requests 256 --min-prompt 512 \
