@@ -142,9 +142,35 @@ def test_top_k_from_a_topk_equals_top_k_from_a_sort(seed, rows, vocab):
     assert torch.equal(got, sampling._top_k_top_p(x, top_k, top_p, vocab))
 
 
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), vocab=st.integers(2, 300), candidates=st.integers(1, 64),
+       scale=st.sampled_from([0.5, 3.0, 8.0]))
+@settings(max_examples=60, deadline=None)
+def test_top_p_from_its_candidates_keeps_the_nucleus_a_sort_keeps(seed, rows, vocab, candidates, scale):
+    """Rows with top-p alone read their ``NUCLEUS_CANDIDATES`` largest logits when those hold the nucleus (peaked
+    rows), and sort otherwise (flat rows): the tokens kept are the sort's, but for a row whose boundary token's
+    preceding mass is within 1e-5 of ``top_p`` (the two compute the probabilities in a different order)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * scale
+    top_p = torch.rand(rows, generator=g) * 0.98 + 0.01
+    saved = sampling.NUCLEUS_CANDIDATES
+    sampling.NUCLEUS_CANDIDATES = candidates
+    try:
+        got = sampling._top_p_nucleus(x, top_p)
+    finally:
+        sampling.NUCLEUS_CANDIDATES = saved
+    want = sampling._top_k_top_p(x, torch.full((rows,), vocab), top_p, vocab)
+    probs = x.softmax(-1).sort(dim=-1, descending=True).values.double()
+    before = probs.cumsum(-1) - probs
+    for r in range(rows):
+        if not torch.equal(torch.isfinite(got[r]), torch.isfinite(want[r])):
+            assert (before[r] - float(top_p[r])).abs().min() < 1e-5, r
+        else:
+            assert torch.equal(got[r], want[r])
+
+
 def test_top_k_rows_and_sorted_rows_sample_alike(monkeypatch):
-    """A batch mixing small top-k rows (topk), top-p-only and large top-k rows (sort) and unfiltered rows samples the
-    same seeded tokens whichever path each row's filter takes."""
+    """A batch mixing small top-k rows (topk), top-p-only rows (candidates), large top-k rows (sort) and unfiltered
+    rows samples the same seeded tokens whichever path each row's filter takes."""
     params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i) for i, (k, p) in
               enumerate([(3, 1.0), (0, 0.8), (30, 0.9), (0, 1.0), (39, 1.0), (5, 0.5)])]
     logits = torch.randn(len(params), 48, generator=torch.Generator().manual_seed(3)) * 3
@@ -152,10 +178,13 @@ def test_top_k_rows_and_sorted_rows_sample_alike(monkeypatch):
     def draw() -> list[int]:
         return sample(logits, params, [make_generator(p.seed, "cpu") for p in params]).tolist()
 
-    mixed = draw()  # small k by topk, the rest by sort
-    monkeypatch.setattr(sampling, "TOPK_FIRST_MAX", 0)  # every filtered row sorts
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
+    mixed = draw()  # small k by topk, top-p alone from its 16 candidates (or sorted where they hold too little)
+    monkeypatch.setattr(sampling, "TOPK_FIRST_MAX", 0)  # every top-k row sorts
     assert draw() == mixed
     monkeypatch.setattr(sampling, "TOPK_FIRST_MAX", 10)  # k = 30 and 39 sort, 3 and 5 take topk
+    assert draw() == mixed
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 10**6)  # top-p alone sorts too
     assert draw() == mixed
 
 

@@ -12,7 +12,8 @@ min-p and top-p are combined):
    fp32 logits, no randomness);
 2. top-k: keep the ``top_k`` largest (0 or -1 = off; read from a ``topk`` of the rows' largest ``top_k``, not a
    sort of the vocabulary, up to :data:`TOPK_FIRST_MAX`);
-3. top-p: keep the smallest set of most likely tokens whose probability (after top-k) reaches ``top_p``;
+3. top-p: keep the smallest set of most likely tokens whose probability (after top-k) reaches ``top_p`` (without
+   top-k: from the :data:`NUCLEUS_CANDIDATES` most likely when they hold it);
    the most likely token is always kept (so ``top_p=1e-50`` is greedy, not empty);
 4. min-p: drop tokens whose probability is below ``min_p`` times the most likely one's;
 
@@ -120,9 +121,15 @@ def _check_inputs(logits: torch.Tensor, params: list[SamplingParams],
                              f"create it with make_generator(seed, logits.device)")
 
 
+#: Candidates (largest logits) a row without top-k reads for its top-p nucleus before it sorts every column
+#: (``results/sampling_filter_cost_cpu.jsonl``, 256 rows of 128,256 logits on the CI CPU, top_p 0.9: ``sample()``
+#: 2,685 -> 1,132 ms where the candidates hold the nucleus, ``randn * 8`` logits; 2,615 -> 2,743 ms where they
+#: do not and the rows sort after all, ``randn``).
+NUCLEUS_CANDIDATES = 1024
+
 #: Largest ``top_k`` filtered from a ``topk`` of that many columns instead of a sort of the whole vocabulary (256
-#: rows of 128,256 logits on the CI CPU, ``results/sampling_filter_cost_cpu.jsonl``: a sort 1,327 ms, ``topk(50)``
-#: 21 ms, ``topk(4096)`` 164 ms; ``sample()`` at top_k 50, top_p 0.9: 2,624 -> 1,018 ms).
+#: rows of 128,256 logits on the CI CPU, ``results/sampling_filter_cost_cpu.jsonl``: a sort 1,336 ms, ``topk(50)``
+#: 25 ms, ``topk(4096)`` 163 ms; ``sample()`` at top_k 50, top_p 0.9: 2,602 -> 1,018 ms).
 TOPK_FIRST_MAX = 4096
 
 
@@ -152,6 +159,33 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, widt
     drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in fp32
     values = values.masked_fill(drop, -torch.inf)
     return torch.full_like(x, -torch.inf).scatter_(-1, order, values)
+
+
+def _top_p_nucleus(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (with -inf) what top-p drops from rows without a top-k filter, reading their
+    :data:`NUCLEUS_CANDIDATES` largest logits instead of sorting every column when those hold the nucleus.
+
+    The nucleus is the shortest run of the most likely tokens whose mass reaches ``top_p``: when the candidates' mass
+    (full-vocabulary probabilities, ``exp(x - logsumexp(x))``) reaches ``top_p`` in a row, every token past them is
+    dropped, so the candidates decide alone. A row whose candidates hold less (a flat distribution) needs the sort:
+    then the whole group takes :func:`_top_k_top_p` (one host sync a call to know which case it is).
+
+    Args:
+        x: ``[rows, vocab]`` fp32 tempered logits.
+        top_p: ``[rows]`` fp32 nucleus mass (< 1).
+    """
+    vocab = x.shape[-1]
+    width = min(NUCLEUS_CANDIDATES, vocab)
+    if width == vocab:
+        return _top_k_top_p(x, torch.full_like(top_p, vocab, dtype=torch.long), top_p, vocab)
+    values, order = x.topk(width, dim=-1)  # sorted, descending
+    probs = (values - x.logsumexp(dim=-1, keepdim=True)).exp()
+    mass = probs.cumsum(dim=-1)
+    if not bool((mass[:, -1] >= top_p).all()):  # some nucleus reaches past the candidates: sort
+        return _top_k_top_p(x, torch.full_like(top_p, vocab, dtype=torch.long), top_p, vocab)
+    drop = mass - probs >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in fp32
+    return torch.full_like(x, -torch.inf).scatter_(-1, order, values.masked_fill(drop, -torch.inf))
 
 
 def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -317,22 +351,28 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     # Shift by the row max first: the softmax is unchanged and a tiny temperature cannot overflow to inf.
     x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None]
 
-    # rows with a small top-k filter from a topk of their largest k; the others (top-p alone, a large k) from a sort
+    # filters without a sort of the vocabulary where they can: a small top-k from a topk of the rows' largest k,
+    # top-p alone from the nucleus candidates; a large top-k sorts
     kept = [p.top_k if 0 < p.top_k < vocab else vocab for p in sub]
-    small, large = [], []
+    small, nucleus, large = [], [], []
     for j, p in enumerate(sub):
-        if kept[j] < vocab or p.top_p < 1:
-            (small if kept[j] <= TOPK_FIRST_MAX and kept[j] < vocab else large).append(j)
-    for group, width in ((small, max((kept[j] for j in small), default=0)), (large, vocab)):
+        if kept[j] <= TOPK_FIRST_MAX and kept[j] < vocab:
+            small.append(j)
+        elif kept[j] < vocab:
+            large.append(j)
+        elif p.top_p < 1:
+            nucleus.append(j)
+    for group, width in ((small, max((kept[j] for j in small), default=0)), (nucleus, 0), (large, vocab)):
         if not group:
             continue
-        top_k = torch.tensor([kept[j] for j in group], device=device)
         top_p = torch.tensor([sub[j].top_p for j in group], dtype=torch.float32, device=device)
-        if len(group) == len(sub):
-            x = _top_k_top_p(x, top_k, top_p, width)
+        index = torch.tensor(group, device=device) if len(group) < len(sub) else None
+        rows_x = x if index is None else x[index]
+        if group is nucleus:
+            filtered = _top_p_nucleus(rows_x, top_p)
         else:
-            index = torch.tensor(group, device=device)
-            x = x.index_copy(0, index, _top_k_top_p(x[index], top_k, top_p, width))
+            filtered = _top_k_top_p(rows_x, torch.tensor([kept[j] for j in group], device=device), top_p, width)
+        x = filtered if index is None else x.index_copy(0, index, filtered)
 
     probs = x.softmax(dim=-1)
     if any(p.min_p > 0 for p in sub):
