@@ -681,6 +681,10 @@ kivi_ncu)  # #20 (prepared 2026-12-04 fourteenth session): where the 2-bit Gluon
     --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis \
     python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
   echo "ncu rc=$?"; grep -E "Stall|Issued Warp|Eligible|Active Warps|Throughput|Warp Cycles" "$OUT/kivi_gluon_ncu_h200.txt" | head -30 ;;
+host_costs)  # (2026-12-05 twentieth session) host_serving's four host-cost scripts alone (sampling on the GPU) (~1.5 min)
+  for s in scheduler_host_cost detokenizer_cost penalty_host_cost sampling_filter_cost; do
+    python3 "benchmarks/sessions/$s.py" > "$OUT/${s}_h200host.jsonl" 2>&1; echo "$s rc=$?"; cut -c1-160 "$OUT/${s}_h200host.jsonl" | tail -12
+  done ;;
 host_serving)  # (prepared 2026-12-05 twentieth session) the serving host fixes on the GPU host's CPU: scheduler
   # reservations (h2o 19.0 -> 1.7 ms a step at batch 256 on the CI CPU), detokenization, penalties' tokens; then
   # LLM.generate at batch 256 (256 requests, 512-1,024-token prompts, 256 outputs, no HF) for h2o / snapkv / vanilla:
