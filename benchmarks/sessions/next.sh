@@ -47,10 +47,13 @@
 # kivi_gluon_fp16.patch, kivi_gluon_ring.patch (each applies alone on main; kivi_offset_variants.patch is stale, a
 # record). Next: kivi_fp16 (every KIVI GPU test with it; bf16 A/B), kivi_ring, kivi_ncu (2-bit stalls), kivi_small,
 # test_export_cuda alone; #18 if the two-GPU kind is lent.
-# 2026-12-05 twentieth session: no device lent (paused). Serving host fixes on the CPU (scheduler reservations per
-# request and step, detokenization through the Rust tokenizer, penalties' tokens copied incrementally); prepared
-# host_serving (their figures on the GPU host's CPU, LLM.generate at batch 256). Order next time: kivi_ring, kivi_ncu,
-# kivi_profile, kivi_fp16, verify, host_serving.
+# 2026-12-05 twentieth session: device lent for the last hour (two failed starts first). Ran verify (53 passed, cut by
+# its 520 s limit inside test_kivi_cuda; test_mass / test_mixed / test_multiturn then 19 passed, cut at 230 s),
+# verify_b (103 passed), host_costs (sampling 5.49 -> 1.98 ms at top_k 50 / top_p 0.9), kivi_ring (2 bits 10-26 %
+# slower: not applied), kivi_profile (kivi2 9.18 ms a step: Gluon 3.90, GEMMs 3.96, residual kernel 0.33). Serving
+# host fixes on the CPU (scheduler reservations, detokenization, penalties, top-k / top-p without a full sort).
+# Next: kivi_ncu, kivi_fp16, the rest of verify (test_kivi_cuda's tail, test_multiturn_cuda), host_serving,
+# test_export_cuda alone.
 # 2026-12-05 nineteenth session: no device lent (paused). The kernels split (kivi_triton.py, paged_attention_variants.py,
 # attention_mass_reference.py: code moved unchanged); kivi_gluon_fp16.patch and kivi_gluon_ring.patch regenerated on
 # the split (each applies alone on main; the CPU KIVI kernel and Gluon compile tests pass with each). New stage:
