@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..runtime.memory_oracle import MemoryOracle
+from ..runtime.memory_oracle import MemoryOracle, layers_alike
 
 if TYPE_CHECKING:
     from ..runtime.cache_manager import KVLayout
@@ -54,7 +54,7 @@ class EvictionMemoryOracle(MemoryOracle):
     def _decoded(self, prompt_len: int, kept: list[int], generated: int, transient: bool) -> list[int]:
         """:meth:`_after` of each layer's ``kept`` slots; once when every layer keeps alike."""
         budget = self._budgets(prompt_len)[1]
-        if kept and kept.count(kept[0]) == len(kept):
+        if kept and layers_alike(kept):
             return [self._after(budget, kept[0], generated, transient)] * len(kept)
         return [self._after(budget, k, generated, transient) for k in kept]
 

@@ -43,7 +43,7 @@ class MemoryOracle(ABC):
 
     def pages_for(self, slots_per_layer: list[int]) -> int:
         P, slots = self.layout.page_size, list(slots_per_layer)
-        if slots and _uniform(slots):  # every layer alike (most methods): the scheduler asks this per running
+        if slots and layers_alike(slots):  # every layer alike (most methods): the scheduler asks this per running
             return len(slots) * -(-int(slots[0]) // P)  # request and step
         return sum(-(-int(s) // P) for s in slots)
 
@@ -78,8 +78,8 @@ class MemoryOracle(ABC):
 
     def growth_cost(self, resident: list[int], held: list[int], new_tokens: int) -> dict[str, int]:
         """Pages ``new_tokens`` more slots per layer take beyond the pages of ``held`` slots."""
-        if resident and _uniform(resident) and _uniform(held):  # every layer alike: one layer's growth, all layers'
-            grown = [max(held[0], resident[0] + new_tokens)] * len(held)  # pages (pages_for takes its fast path)
+        if resident and layers_alike(resident) and layers_alike(held):  # one layer's growth for all layers
+            grown = [max(held[0], resident[0] + new_tokens)] * len(held)  # (pages_for takes its fast path)
         else:
             grown = [max(h, s + new_tokens) for s, h in zip(resident, held)]
         return {"kv_pages": self.pages_for(grown) - self.pages_for(held)}
@@ -93,7 +93,7 @@ class MemoryOracle(ABC):
     def resumed_resident_slots(self, after_prompt: list[int], prompt_len: int, generated: int) -> list[int]:
         """Slots each layer holds after ``generated`` decode tokens when the prompt (of ``prompt_len`` logical tokens)
         left ``after_prompt`` slots per layer (measured on the row, not derived from ``prompt_len``)."""
-        if after_prompt and _uniform(after_prompt):  # the engine's case for every request after its prompt
+        if after_prompt and layers_alike(after_prompt):  # the engine's case for every request after its prompt
             return [after_prompt[0] + generated] * len(after_prompt)
         return [c + generated for c in after_prompt]
 
@@ -112,6 +112,7 @@ class DenseMemoryOracle(MemoryOracle):
         return [prompt_len + max_new_tokens] * self.layout.num_layers
 
 
-def _uniform(values: list[int]) -> bool:
-    """Every entry equals the first (a C-speed count: the per-layer lists the scheduler handles each step)."""
+def layers_alike(values: list[int]) -> bool:
+    """Every entry of a non-empty per-layer list equals the first (a C-speed count: the lists the scheduler handles
+    each step)."""
     return values.count(values[0]) == len(values)

@@ -76,7 +76,6 @@ class Detokenizer:
 
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int],
                  prompt_ids: list[int] = (), decode: Decode | None = None) -> None:
-        self.tokenizer = tokenizer
         self._text = decode or _own_decode(tokenizer)
         self.params = params
         self.eos = set() if params.ignore_eos else set(eos_token_ids)

@@ -158,7 +158,8 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, widt
     drop = (before >= top_p[:, None]) & (top_p < 1)[:, None]  # rows at top_p=1 keep all (cumsum may pass 1)
     drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in fp32
     values = values.masked_fill(drop, -torch.inf)
-    return torch.full_like(x, -torch.inf).scatter_(-1, order, values)
+    out = torch.empty_like(x) if width >= vocab else torch.full_like(x, -torch.inf)  # a sort covers every column
+    return out.scatter_(-1, order, values)
 
 
 def _top_p_nucleus(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -176,12 +177,11 @@ def _top_p_nucleus(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     vocab = x.shape[-1]
     width = min(NUCLEUS_CANDIDATES, vocab)
-    if width == vocab:
-        return _top_k_top_p(x, torch.full_like(top_p, vocab, dtype=torch.long), top_p, vocab)
-    values, order = x.topk(width, dim=-1)  # sorted, descending
-    probs = (values - x.logsumexp(dim=-1, keepdim=True)).exp()
-    mass = probs.cumsum(dim=-1)
-    if not bool((mass[:, -1] >= top_p).all()):  # some nucleus reaches past the candidates: sort
+    if width < vocab:
+        values, order = x.topk(width, dim=-1)  # sorted, descending
+        probs = (values - x.logsumexp(dim=-1, keepdim=True)).exp()
+        mass = probs.cumsum(dim=-1)
+    if width == vocab or not bool((mass[:, -1] >= top_p).all()):  # some nucleus reaches past the candidates: sort
         return _top_k_top_p(x, torch.full_like(top_p, vocab, dtype=torch.long), top_p, vocab)
     drop = mass - probs >= top_p[:, None]
     drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in fp32
