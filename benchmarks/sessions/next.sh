@@ -678,6 +678,17 @@ kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, rebased on the lean k
   paste -d' ' <(cut -c1-90 "$OUT/kivi_gluon_ring_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_ring_after_h200.jsonl")
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_ring.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_ring.log" | tail -6 ;;
+tail21)  # (2026-12-05 twenty-first session) what verify left untested (its 520 s limit cut it inside test_kivi_cuda:
+  # the CUDA-graph decode tests; test_multiturn_cuda's rest), then kivi_ncu's ncu launch (~8 min)
+  timeout -s INT 380 $P tests/gpu/test_kivi_cuda.py -k cuda_graphs tests/gpu/test_multiturn_cuda.py \
+    > "$OUT/gpu_tests_tail_21st_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_tail_21st_h200.log" | tail -8
+  timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis --section InstructionStats \
+    -o "$OUT/kivi2_ncu" python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
+  echo "ncu rc=$?"; ncu -i "$OUT/kivi2_ncu.ncu-rep" --print-details all > "$OUT/kivi_gluon_ncu_details_h200.txt" 2>&1
+  ncu -i "$OUT/kivi2_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/kivi_gluon_ncu_sass_h200.csv" 2>&1
+  echo "src rc=$?"; wc -l "$OUT"/kivi_gluon_ncu_*; grep -E "Stall|Issued Warp|Eligible|Active Warps|Throughput|Warp Cycles|Registers" "$OUT/kivi_gluon_ncu_details_h200.txt" | head -40 ;;
 kivi_ncu)  # #20 (prepared 2026-12-04 fourteenth session): where the 2-bit Gluon KIVI decode waits (it issues ~42 % of the
   # time): one launch at 128K x 4 under ncu, warp states and the source-level stall sampling (~2 min)
   timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
