@@ -211,6 +211,26 @@ def test_triton_decode_matches_reference(bits, splits):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@needs_triton
+@pytest.mark.parametrize("bits,splits,rsplits", [(2, 2, 4), (4, 1, 3)])
+def test_triton_decode_with_the_ring_a_program_a_block_matches_reference(bits, splits, rsplits):
+    """The Gluon launch's arrangement on the Triton kernel: ``splits`` splits of the quantized slots, then the ring's
+    blocks a program each (16 slots: sequence 0's 38 or 18 residual slots over three or two of them, sequence 1's 40
+    over three; the rest empty)."""
+    for long in (150, 130):  # 38 / 34 slots in the ring: a full last block and a partial one
+        args = decode_case(bits=bits, window=60 if splits == 2 else 0, seed=bits, long=long)
+        want = kivi_decode_attention_reference(*args)
+        got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, residual_splits=rsplits)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for logits in (False, True):
+        args = decode_case(bits=bits, seed=bits)
+        kind = kivi_decode_attention_logits_reference if logits else kivi_decode_attention_reference
+        got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, residual_splits=rsplits,
+                                           with_logits=logits)
+        for g, w in zip(got if logits else [got], kind(*args) if logits else [kind(*args)]):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("window", [0, 60])
 def test_logits_reference_gives_each_slots_probability(window):
     """The logits op (H2O over KIVI): the same output as the attention; ``exp(logits - lse)`` is, per query head and

@@ -9,7 +9,7 @@ sliding window ``w > 0``).
 
 Kernels (CUDA): where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 queries and scales, 2 or 4 bits,
 group 32, head dim 128, pages of one group) the Gluon kernel (``kivi_gluon.py``) takes the quantized slots and the
-Triton kernel (``kivi_triton.py``) only the residual ring, as the last split (``RESIDUAL_ONLY``); elsewhere the
+Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits; elsewhere the
 Triton kernel takes every slot. :func:`.paged_attention._combine_kernel` merges the splits; with logits
 (``h2o+kivi``) each kernel writes its own slots' and the combine kernel the log-sum-exp. Shapes neither kernel takes
 run the torch reference (``kivi_reference.py``), as the CPU does.
@@ -43,9 +43,12 @@ else:
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, *,
-                                 num_splits: int | None = None, config: dict | None = None, with_logits: bool = False):
+                                 num_splits: int | None = None, config: dict | None = None, with_logits: bool = False,
+                                 residual_splits: int = 0):
     """CUDA launch (the Gluon and Triton kernels) with the semantics of :func:`kivi_decode_attention_reference`
-    (``with_logits``: of :func:`kivi_decode_attention_logits_reference`, the output, log-sum-exp and logits)."""
+    (``with_logits``: of :func:`kivi_decode_attention_logits_reference`, the output, log-sum-exp and logits).
+    ``num_splits`` / ``config`` (tests, sweeps) force the Triton kernel with that many splits of each list, of its
+    quantized slots alone with ``residual_splits`` more for the ring's blocks (the Gluon launch's arrangement)."""
     batch, q_heads, queries, dim = query.shape
     heads, page_size = kcode.shape[1], kcode.shape[2]
     group_size = page_size // kscale.shape[2]
@@ -64,15 +67,18 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     gluon = num_splits is None and config is None and \
         gluon_supported(query, bits, group_size, dim, page_size, queries * group, kscale.dtype)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
+    # the residual ring a program a block of block_f slots (Gluon: always; the Triton kernel alone: when asked)
+    rsplits = -(-ring_k.shape[2] // cfg["block_f"]) if gluon else residual_splits
     block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
     if gluon:
         launch = KIVI_GLUON_CONFIG[bits]
         splits = wave_splits(batch * heads, span, launch["min_groups"] * group_size, launch["programs_per_sm"],
-                             query.device) + 1
+                             query.device) + rsplits
     else:
-        splits = num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"], query.device)
+        splits = (num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"],
+                                            query.device)) + rsplits
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
         mid_lse = torch.empty(batch, q_heads, queries, splits, dtype=torch.float32, device=query.device)
@@ -86,11 +92,11 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     quantized = quantized.contiguous()
     if gluon:
         kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
-                             q_positions, scale, sliding_window, mid_o, mid_lse, splits - 1,
+                             q_positions, scale, sliding_window, mid_o, mid_lse, splits - rsplits,
                              logits if with_logits else None)
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
     asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
-    _kivi_decode_kernel[(batch * heads, 1 if gluon else splits)](
+    _kivi_decode_kernel[(batch * heads, rsplits if gluon else splits)](
         query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
         ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse,
         logits, lse,
@@ -101,7 +107,8 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
         BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
         ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6], VSM3=asm[7],
-        WRITE_LOGITS=with_logits, RESIDUAL_ONLY=gluon, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WRITE_LOGITS=with_logits, RSPLITS=rsplits, FIRST_SPLIT=splits - rsplits if gluon else 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
         **FP_FUSION,
     )

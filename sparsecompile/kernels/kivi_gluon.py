@@ -22,8 +22,8 @@ layout the kernel names (one warp a program, no cross-warp reduction):
 
 It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (``kivi_quant.py``). The lists'
 quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
-go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's split written by the
-Triton kernel (``RESIDUAL_ONLY``). H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
+go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's splits (the last
+ones) written by the Triton kernel. H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
 kivi_gluon_chains_sweep_h200.jsonl``, this configuration; % of the 4.44 TB/s measured in ``kernels_kivi_stages3_h200
 .jsonl``): 2 bits 142.1 us at 128K x 4 (67 %; the Triton kernel: 451.6), 143.2 at 32K x 16 (67 %), 50.1 at 128K x 1
 (47 %), 27.2 at 32K x 1 (22 %); 4 bits 192.1 / 190.2 / 71.5 / 36.7 (81 / 82 / 54 / 27 %).
@@ -179,8 +179,8 @@ if gluon is not None:
                            U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
                            L0: gl.constexpr, L1: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
         """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
-        groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last one the
-        residual's); ``WRITE_LOGITS`` (one query a sequence): every quantized slot's natural-log logit (-inf where
+        groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last ones the
+        residual ring's); ``WRITE_LOGITS`` (one query a sequence): every quantized slot's natural-log logit (-inf where
         masked) to ``LOGITS [batch, q_heads, logits_span]``. ``U_j``: chunk ``j``'s query lift ``2^(100 - s_j)``,
         ``L_j`` its output's ``2^(133 - P_LIFT - s_j)`` (``s_j`` the chunk's bit offset in a byte)."""
         G: gl.constexpr = 32

@@ -139,7 +139,7 @@ if triton is not None:
                             BLOCK_F: tl.constexpr, C: tl.constexpr, NUM_SPLITS: tl.constexpr, DT: tl.constexpr,
                             ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
                             VSM0: tl.constexpr, VSM1: tl.constexpr, VSM2: tl.constexpr, VSM3: tl.constexpr,
-                            WRITE_LOGITS: tl.constexpr, RESIDUAL_ONLY: tl.constexpr = False):
+                            WRITE_LOGITS: tl.constexpr, RSPLITS: tl.constexpr = 0, FIRST_SPLIT: tl.constexpr = 0):
         """One program: every query row of one (sequence, kv_head) over one split of its slots, computed transposed
         so the stored codes are the MMAs' first operand: ``s^T [slots, rows] = sum_i K_i [slots, C] . q_i^T`` and
         ``o_i^T [C, rows] += V_i^T [C, slots] . p^T`` per channel chunk ``i``. The compiler then moves the packed
@@ -151,11 +151,13 @@ if triton is not None:
         codes exact floats (``VSM_i``) and the zeros' share of every group one small MMA a tile (``zacc``), added to
         the group's channels after the loops. ``WRITE_LOGITS`` (one query per sequence): every visible slot's
         scaled logit (natural units, -inf where masked) goes to ``LOGITS [batch, q_heads, logits_span]`` and, with
-        one split, each row's log-sum-exp to ``LSE`` (with several, the combine kernel writes it). ``RESIDUAL_ONLY``
-        (one program a list): the residual ring's slots only, into the last of ``NUM_SPLITS`` splits (the others
-        the Gluon kernel's, ``kivi_gluon.py``)."""
+        one split, each row's log-sum-exp to ``LSE`` (with several, the combine kernel writes it). ``RSPLITS > 0``: the
+        last ``RSPLITS`` splits are the residual ring's, ``BLOCK_F`` slots each from ``quantized`` (a program a
+        block instead of one walking the ring: the ring's few blocks are latency, not bytes), the others share the
+        quantized slots; the grid's programs are splits ``FIRST_SPLIT ..`` (the Gluon kernel, ``kivi_gluon.py``,
+        computes the quantized ones: ``FIRST_SPLIT = NUM_SPLITS - RSPLITS``)."""
         pid_bh = tl.program_id(0)
-        split = tl.program_id(1)
+        split = tl.program_id(1) + FIRST_SPLIT
         b = pid_bh // KV_HEADS
         h = pid_bh % KV_HEADS
         B: tl.constexpr = D * BITS // 8
@@ -176,15 +178,20 @@ if triton is not None:
         if NCH == 4:
             q2 = (tl.load(qp + 2 * C, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk).to(DT)
             q3 = (tl.load(qp + 3 * C, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk).to(DT)
-        length = tl.load(LENGTHS + b * stride_lb + h * stride_lh)
+        length = tl.load(LENGTHS + b * stride_lb + h * stride_lh).to(tl.int32)  # as quant: one type for the bounds
         quant = tl.load(QUANT + b).to(tl.int32)
-        per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), G) * G  # group-aligned: a tile never crosses a page
-        lo = split * per_split
-        hi = tl.minimum(length, lo + per_split)
-        if RESIDUAL_ONLY:
-            lo = quant
-            hi = length
-            split = NUM_SPLITS - 1
+        if RSPLITS == 0:  # every split a share of the whole list
+            per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), G) * G  # group-aligned: a tile never crosses a page
+            lo = split * per_split
+            hi = tl.minimum(length, lo + per_split)
+        else:
+            QSPLITS: tl.constexpr = NUM_SPLITS - RSPLITS
+            per_split = tl.cdiv(tl.cdiv(quant, QSPLITS), G) * G
+            lo = split * per_split
+            hi = tl.minimum(quant, lo + per_split)
+            if split >= QSPLITS:  # a residual block
+                lo = quant + (split - QSPLITS) * BLOCK_F
+                hi = tl.minimum(length, lo + BLOCK_F)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_q = tl.zeros([G, BLOCK_M], tl.float32)  # row sums, elementwise (_online): quantized tiles
         l_f = tl.zeros([BLOCK_F, BLOCK_M], tl.float32)  # and residual tiles
