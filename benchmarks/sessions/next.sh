@@ -678,6 +678,31 @@ kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, rebased on the lean k
   paste -d' ' <(cut -c1-90 "$OUT/kivi_gluon_ring_before_h200.jsonl") <(grep -o '"us": [0-9.]*' "$OUT/kivi_gluon_ring_after_h200.jsonl")
   timeout -s INT 200 $P tests/gpu/test_kivi_cuda.py -x -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_ring.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_kivi_ring.log" | tail -6 ;;
+ring_tests)  # (2026-12-05 twenty-first session) #20 the residual ring a program a block (kivi_ring_blocks.patch is the
+  # change): every KIVI GPU test (the decode tests at real sizes take the new split arrangement), then the multi-turn
+  # GPU tests verify left (~9 min)
+  timeout -s INT 340 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_21st_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_21st_h200.log" | tail -8
+  timeout -s INT 200 $P tests/gpu/test_multiturn_cuda.py > "$OUT/gpu_tests_multiturn_21st_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_multiturn_21st_h200.log" | tail -8 ;;
+ring_ab)  # #20: the KIVI decode op at the four points with the ring a program a block, then without (the patch
+  # reversed), 2 and 4 bits; then the 2-bit Gluon kernel under ncu (~6 min)
+  timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_ring_blocks_after_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "after rc=$?"; cut -c1-150 "$OUT/kivi_ring_blocks_after_h200.jsonl"
+  patch -R -p1 < benchmarks/sessions/kivi_ring_blocks.patch > /dev/null || exit 1
+  timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_ring_blocks_before_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "before rc=$?"; cut -c1-150 "$OUT/kivi_ring_blocks_before_h200.jsonl"; tail -3 "$OUT/sweep.err"
+  patch -p1 < benchmarks/sessions/kivi_ring_blocks.patch > /dev/null || exit 1
+  timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis --section InstructionStats \
+    -o "$OUT/kivi2_ncu" python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
+  echo "ncu rc=$?"; ncu -i "$OUT/kivi2_ncu.ncu-rep" --print-details all > "$OUT/kivi_gluon_ncu_details_h200.txt" 2>&1
+  ncu -i "$OUT/kivi2_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/kivi_gluon_ncu_sass_h200.csv" 2>&1
+  echo "src rc=$?"; grep -E "Stall|Issued Warp|Eligible|Active Warps|Warp Cycles|Registers" "$OUT/kivi_gluon_ncu_details_h200.txt" | head -30 ;;
+ring_points)  # #20: vanilla / kivi2 / snapkv+kivi at 128K x 4 through the engine, one call (~5 min)
+  timeout -s INT 330 python3 benchmarks/kivi_bench.py --stage points \
+    --points vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4 --out "$OUT/kivi_ring_points_h200.jsonl" > "$OUT/kivi_ring_points.log" 2>&1
+  echo "rc=$?"; grep -v "^{" "$OUT/kivi_ring_points.log" | tail -8; grep '"tok_s"' "$OUT/kivi_ring_points_h200.jsonl" | cut -c1-220 ;;
 tail21)  # (2026-12-05 twenty-first session) what verify left untested (its 520 s limit cut it inside test_kivi_cuda:
   # the CUDA-graph decode tests; test_multiturn_cuda's rest), then kivi_ncu's ncu launch (~8 min)
   timeout -s INT 380 $P tests/gpu/test_kivi_cuda.py -k cuda_graphs tests/gpu/test_multiturn_cuda.py \
