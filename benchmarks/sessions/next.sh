@@ -686,13 +686,20 @@ ring_tests)  # (2026-12-05 twenty-first session) #20 the residual ring a program
   timeout -s INT 200 $P tests/gpu/test_multiturn_cuda.py > "$OUT/gpu_tests_multiturn_21st_h200.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_multiturn_21st_h200.log" | tail -8 ;;
 ring_ab)  # #20: the KIVI decode op at the four points with the ring a program a block, then without (the patch
-  # reversed), 2 and 4 bits; then the 2-bit Gluon kernel under ncu (~6 min)
+  # reversed), 2 and 4 bits; the pool layout's read rate (kivi_layout_bw.py); the 2-bit Gluon kernel under ncu (~8 min)
   timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_ring_blocks_after_h200.jsonl" 2>> "$OUT/sweep.err"
   echo "after rc=$?"; cut -c1-150 "$OUT/kivi_ring_blocks_after_h200.jsonl"
   patch -R -p1 < benchmarks/sessions/kivi_ring_blocks.patch > /dev/null || exit 1
   timeout -s INT 100 python3 benchmarks/sessions/kivi_gluon_sweep.py > "$OUT/kivi_ring_blocks_before_h200.jsonl" 2>> "$OUT/sweep.err"
   echo "before rc=$?"; cut -c1-150 "$OUT/kivi_ring_blocks_before_h200.jsonl"; tail -3 "$OUT/sweep.err"
   patch -p1 < benchmarks/sessions/kivi_ring_blocks.patch > /dev/null || exit 1
+  timeout -s INT 120 python3 benchmarks/sessions/kivi_layout_bw.py > "$OUT/kivi_layout_bw_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "layout rc=$?"; python3 -c "import json
+rows = [json.loads(l) for l in open('$OUT/kivi_layout_bw_h200.jsonl') if '\"GBps\"' in l]
+for point in sorted({r['point'] for r in rows}):
+    for lay in ('split', 'packed', 'dense'):
+        best = max((r for r in rows if r['point'] == point and r['layout'] == lay), key=lambda r: r['GBps'], default=None)
+        print(point, lay, best and round(best['GBps']), best and (best['per_sm'], best['warps'], best['stages']))"
   timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis --section InstructionStats \
     -o "$OUT/kivi2_ncu" python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
