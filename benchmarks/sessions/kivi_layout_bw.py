@@ -4,6 +4,7 @@ a wave of programs, each a split of one list) and reads per (page, KV head), in 
 
 * ``split``: the pool's seven blocks from seven tensors (2 bits: key codes 1,024 B, value codes 1,024 B, key scales,
   key zeros, value scales, value zeros 256 B each, positions 128 B), as the Gluon kernel reads them;
+* ``meta``: the codes as now, the four metadata blocks as one 1,024-byte block, the positions apart;
 * ``packed``: the same 3,200 bytes as one contiguous block a (page, head);
 * ``dense``: ``vanilla``'s pages (keys and values 8 KiB each), the reference.
 
@@ -31,6 +32,7 @@ from bandwidth import time_graph  # noqa: E402
 
 HEADS, GROUP = 8, 32
 SPLIT = (256, 256, 64, 64, 64, 64, 32)  # int32 words a (page, head): codes, codes, scales / zeros x 4, positions
+META = (256, 256, 256, 32)  # the four metadata blocks as one
 PACKED = 800  # the same 3,200 bytes
 DENSE = (2048, 2048)  # 8 KiB of keys and of values
 
@@ -55,6 +57,8 @@ def _read_kernel(INDEX, S0, S1, S2, S3, S4, S5, S6, OUT, groups, per, splits, H:
         if LAYOUT == 0:  # split
             acc += _block(S0, base, 256) + _block(S1, base, 256) + _block(S2, base, 64) + _block(S3, base, 64)
             acc += _block(S4, base, 64) + _block(S5, base, 64) + _block(S6, base, 32)
+        elif LAYOUT == 3:  # meta
+            acc += _block(S0, base, 256) + _block(S1, base, 256) + _block(S2, base, 256) + _block(S3, base, 32)
         elif LAYOUT == 1:  # packed: 512 + 256 + 32 words of one 800-word block
             p = S0 + base * 800
             acc += tl.sum(tl.load(p + tl.arange(0, 512)), 0) + tl.sum(tl.load(p + 512 + tl.arange(0, 256)), 0)
@@ -81,6 +85,7 @@ def main() -> None:
             "split": [torch.randint(0, 1 << 30, (pages, HEADS, n), device="cuda", dtype=torch.int32) for n in SPLIT],
             "packed": [torch.randint(0, 1 << 30, (pages, HEADS, PACKED), device="cuda", dtype=torch.int32)],
             "dense": [torch.randint(0, 1 << 30, (pages, HEADS, n), device="cuda", dtype=torch.int32) for n in DENSE],
+            "meta": [torch.randint(0, 1 << 30, (pages, HEADS, n), device="cuda", dtype=torch.int32) for n in META],
         }
         for code, (name, tensors) in enumerate(layouts.items()):
             nbytes = sum(t.numel() * 4 for t in tensors)

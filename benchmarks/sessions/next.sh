@@ -697,7 +697,7 @@ ring_ab)  # #20: the KIVI decode op at the four points with the ring a program a
   echo "layout rc=$?"; python3 -c "import json
 rows = [json.loads(l) for l in open('$OUT/kivi_layout_bw_h200.jsonl') if '\"GBps\"' in l]
 for point in sorted({r['point'] for r in rows}):
-    for lay in ('split', 'packed', 'dense'):
+    for lay in ('split', 'meta', 'packed', 'dense'):
         best = max((r for r in rows if r['point'] == point and r['layout'] == lay), key=lambda r: r['GBps'], default=None)
         print(point, lay, best and round(best['GBps']), best and (best['per_sm'], best['warps'], best['stages']))"
   timeout 150 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
