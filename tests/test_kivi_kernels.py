@@ -215,7 +215,7 @@ def test_triton_decode_matches_reference(bits, splits):
 @pytest.mark.parametrize("bits,splits,rsplits", [(2, 2, 4), (4, 1, 3)])
 def test_triton_decode_with_the_ring_a_program_a_block_matches_reference(bits, splits, rsplits):
     """The Gluon launch's arrangement on the Triton kernel: ``splits`` splits of the quantized slots, then the ring's
-    blocks a program each (16 slots: sequence 0's 38 or 18 residual slots over three or two of them, sequence 1's 40
+    blocks a program each, in a second launch from split ``splits`` on (as beside the Gluon kernel) (16 slots: sequence 0's 38 or 18 residual slots over three or two of them, sequence 1's 40
     over three; the rest empty)."""
     for long in (150, 130):  # 38 / 34 slots in the ring: a full last block and a partial one
         args = decode_case(bits=bits, window=60 if splits == 2 else 0, seed=bits, long=long)

@@ -90,28 +90,40 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     else:
         logits = lse = out
     quantized = quantized.contiguous()
+    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
+    asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
+
+    def triton_splits(first: int, count: int) -> None:
+        """The Triton kernel over splits ``first .. first + count - 1``."""
+        _kivi_decode_kernel[(batch * heads, count)](
+            query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
+            ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse,
+            logits, lse,
+            query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
+            lengths.stride(0), lengths.stride(1), q_positions.stride(0),
+            ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            float(scale), int(sliding_window), queries, span,
+            KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
+            BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits,
+            DT=dt, ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6],
+            VSM3=asm[7], WRITE_LOGITS=with_logits, RSPLITS=rsplits, FIRST_SPLIT=first,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
+            **FP_FUSION,
+        )
+
+    # the quantized splits (the Gluon kernel's, or the Triton kernel's), then the ring's blocks, as two launches
+    # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement)
     if gluon:
         kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
                              q_positions, scale, sliding_window, mid_o, mid_lse, splits - rsplits,
                              logits if with_logits else None)
-    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
-    asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
-    _kivi_decode_kernel[(batch * heads, rsplits if gluon else splits)](
-        query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
-        ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse,
-        logits, lse,
-        query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1),
-        lengths.stride(0), lengths.stride(1), q_positions.stride(0),
-        ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        float(scale), int(sliding_window), queries, span,
-        KV_HEADS=heads, GROUP=group, PAGE=page_size, G=group_size, D=dim, BITS=bits, RING=ring_k.shape[2],
-        BLOCK_M=block_m, BLOCK_F=cfg["block_f"], C=chunk_layout(dim, bits, group_size)[0], NUM_SPLITS=splits, DT=dt,
-        ASM0=asm[0], ASM1=asm[1], ASM2=asm[2], ASM3=asm[3], VSM0=asm[4], VSM1=asm[5], VSM2=asm[6], VSM3=asm[7],
-        WRITE_LOGITS=with_logits, RSPLITS=rsplits, FIRST_SPLIT=splits - rsplits if gluon else 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap: more programs per SM
-        **FP_FUSION,
-    )
+    elif rsplits:
+        triton_splits(0, splits - rsplits)
+    if rsplits:
+        triton_splits(splits - rsplits, rsplits)
+    else:
+        triton_splits(0, splits)
     if splits > 1:
         _combine_kernel[(batch * q_heads * queries,)](
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), queries,
