@@ -706,6 +706,24 @@ for point in sorted({r['point'] for r in rows}):
   echo "ncu rc=$?"; ncu -i "$OUT/kivi2_ncu.ncu-rep" --print-details all > "$OUT/kivi_gluon_ncu_details_h200.txt" 2>&1
   ncu -i "$OUT/kivi2_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/kivi_gluon_ncu_sass_h200.csv" 2>&1
   echo "src rc=$?"; grep -E "Stall|Issued Warp|Eligible|Active Warps|Warp Cycles|Registers" "$OUT/kivi_gluon_ncu_details_h200.txt" | head -30 ;;
+ring_ab_lean)  # ring_ab within ~6 min (little device budget): 2 bits at 128K x 4 and 32K x 1 after / before, the layout
+  # probe at 128K x 4, the ncu launch
+  S="python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4,32768x1"
+  timeout -s INT 70 $S > "$OUT/kivi_ring_blocks_after_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "after rc=$?"; cut -c1-150 "$OUT/kivi_ring_blocks_after_h200.jsonl"
+  patch -R -p1 < benchmarks/sessions/kivi_ring_blocks.patch > /dev/null || exit 1
+  timeout -s INT 70 $S > "$OUT/kivi_ring_blocks_before_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "before rc=$?"; cut -c1-150 "$OUT/kivi_ring_blocks_before_h200.jsonl"; tail -3 "$OUT/sweep.err"
+  patch -p1 < benchmarks/sessions/kivi_ring_blocks.patch > /dev/null || exit 1
+  timeout -s INT 80 python3 benchmarks/sessions/kivi_layout_bw.py --points 131072x4 --per-sm 8,12,16 --warps 1,4 \
+    > "$OUT/kivi_layout_bw_h200.jsonl" 2>> "$OUT/sweep.err"; echo "layout rc=$?"
+  sort -t: -k8 "$OUT/kivi_layout_bw_h200.jsonl" | cut -c1-160 | tail -40
+  timeout 120 ncu -k regex:_kivi_gluon_kernel -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis \
+    -o "$OUT/kivi2_ncu" python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --points 131072x4 > "$OUT/kivi_gluon_ncu_h200.txt" 2>&1
+  echo "ncu rc=$?"; ncu -i "$OUT/kivi2_ncu.ncu-rep" --print-details all > "$OUT/kivi_gluon_ncu_details_h200.txt" 2>&1
+  ncu -i "$OUT/kivi2_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/kivi_gluon_ncu_sass_h200.csv" 2>&1
+  grep -E "Stall|Issued Warp|Eligible|Active Warps|Warp Cycles|Registers|DRAM Throughput|Memory Throughput" "$OUT/kivi_gluon_ncu_details_h200.txt" | head -30 ;;
 ring_points)  # #20: vanilla / kivi2 / snapkv+kivi at 128K x 4 through the engine, one call (~5 min)
   timeout -s INT 330 python3 benchmarks/kivi_bench.py --stage points \
     --points vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4 --out "$OUT/kivi_ring_points_h200.jsonl" > "$OUT/kivi_ring_points.log" 2>&1
