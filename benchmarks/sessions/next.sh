@@ -54,6 +54,14 @@
 # host fixes on the CPU (scheduler reservations, detokenization, penalties, top-k / top-p without a full sort).
 # Next: kivi_ncu, kivi_fp16, the rest of verify (test_kivi_cuda's tail, test_multiturn_cuda), host_serving,
 # test_export_cuda alone.
+# 2026-12-05 twenty-first session: no device machine started (nine tries; ~900 s of the budget went to failed
+# starts). Prepared and CPU-tested: the residual ring a program a block (kivi_ring_blocks.patch is the change; the
+# Triton kernel's CPU test covers the ring's own launch). Next, in this order: ring_ab (or ring_ab_lean: the op's A/B
+# with the before in the same call, kivi_layout_bw.py: do the pool's seven small blocks a group cap the read rate?,
+# the 2-bit kernel under ncu), ring_tests (every KIVI GPU test + test_multiturn_cuda), ring_points (vanilla / kivi2 /
+# snapkv+kivi at 128K x 4), then kivi_fp16, host_serving, test_export_cuda alone. If kivi_layout_bw shows ``packed``
+# well above ``split``: one interleaved block a (page, head) is the next change to the pool (every KIVI kernel reads
+# strides then).
 # 2026-12-05 nineteenth session: no device lent (paused). The kernels split (kivi_triton.py, paged_attention_variants.py,
 # attention_mass_reference.py: code moved unchanged); kivi_gluon_fp16.patch and kivi_gluon_ring.patch regenerated on
 # the split (each applies alone on main; the CPU KIVI kernel and Gluon compile tests pass with each). New stage:
