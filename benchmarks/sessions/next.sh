@@ -54,14 +54,14 @@
 # host fixes on the CPU (scheduler reservations, detokenization, penalties, top-k / top-p without a full sort).
 # Next: kivi_ncu, kivi_fp16, the rest of verify (test_kivi_cuda's tail, test_multiturn_cuda), host_serving,
 # test_export_cuda alone.
-# 2026-12-05 twenty-first session: no device machine started (nine tries; ~900 s of the budget went to failed
-# starts). Prepared and CPU-tested: the residual ring a program a block (kivi_ring_blocks.patch is the change; the
-# Triton kernel's CPU test covers the ring's own launch). Next, in this order: ring_ab (or ring_ab_lean: the op's A/B
-# with the before in the same call, kivi_layout_bw.py: do the pool's seven small blocks a group cap the read rate?,
-# the 2-bit kernel under ncu), ring_tests (every KIVI GPU test + test_multiturn_cuda), ring_points (vanilla / kivi2 /
-# snapkv+kivi at 128K x 4), then kivi_fp16, host_serving, test_export_cuda alone. If kivi_layout_bw shows ``packed``
-# well above ``split``: one interleaved block a (page, head) is the next change to the pool (every KIVI kernel reads
-# strides then).
+# 2026-12-05 twenty-first session: nine failed starts (~900 s of the budget), then one machine at 12:08 for the rest:
+# ring_ab_lean (the ring a program a block: 138.1 -> 134.3 us at 128K x 4, 26.1 -> 23.3 at 32K x 1; kivi_layout_bw:
+# split 4,074 / meta 4,108 / packed 4,141 / dense 4,475 GB/s, the layout is not the cap; ncu: compute-bound, 158
+# registers, 57 % issue, LOP3 / PRMT 34 % of the instructions, kivi_gluon_ncu_21st_h200.md), every KIVI GPU test (22
+# passed), test_multiturn_cuda (6 passed), vanilla / kivi2 / snapkv+kivi at 128K x 4 by hand (187.6 / 432.0 / 723.7
+# tok/s: 2.30x), test_export_cuda (cut at 125 s before its first test ended). Next: kivi_fp16, host_serving,
+# test_export_cuda alone (its first test takes over 2 minutes cold); for #20 the 2-bit kernel needs fewer registers
+# or fewer ALU instructions a code, not a new pool layout.
 # 2026-12-05 nineteenth session: no device lent (paused). The kernels split (kivi_triton.py, paged_attention_variants.py,
 # attention_mass_reference.py: code moved unchanged); kivi_gluon_fp16.patch and kivi_gluon_ring.patch regenerated on
 # the split (each applies alone on main; the CPU KIVI kernel and Gluon compile tests pass with each). New stage:
