@@ -215,9 +215,10 @@ def test_triton_decode_matches_reference(bits, splits):
 @pytest.mark.parametrize("bits,splits,rsplits", [(2, 2, 4), (4, 1, 3)])
 def test_triton_decode_with_the_ring_a_program_a_block_matches_reference(bits, splits, rsplits):
     """The Gluon launch's arrangement on the Triton kernel: ``splits`` splits of the quantized slots, then the ring's
-    blocks a program each, in a second launch from split ``splits`` on (as beside the Gluon kernel) (16 slots: sequence 0's 38 or 18 residual slots over three or two of them, sequence 1's 40
-    over three; the rest empty)."""
-    for long in (150, 130):  # 38 / 34 slots in the ring: a full last block and a partial one
+    blocks a program each, in a second launch from split ``splits`` on (as beside the Gluon kernel). Blocks of 16
+    slots: sequence 0's 38 or 18 residual slots over three or two of them, sequence 1's 40 over three; the rest
+    empty."""
+    for long in (150, 130):  # 38 / 18 slots in the ring (112 quantized): partial last blocks of 6 and 2
         args = decode_case(bits=bits, window=60 if splits == 2 else 0, seed=bits, long=long)
         want = kivi_decode_attention_reference(*args)
         got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, residual_splits=rsplits)

@@ -61,7 +61,9 @@
 # passed), test_multiturn_cuda (6 passed), vanilla / kivi2 / snapkv+kivi at 128K x 4 by hand (187.6 / 432.0 / 723.7
 # tok/s: 2.30x), test_export_cuda (cut at 125 s before its first test ended). Next: kivi_fp16, host_serving,
 # test_export_cuda alone (its first test takes over 2 minutes cold); for #20 the 2-bit kernel needs fewer registers
-# or fewer ALU instructions a code, not a new pool layout.
+# or fewer ALU instructions a code, not a new pool layout: kivi_regs (prepared: kivi_gluon_regs.patch, 125 registers
+# under a cap of 128, no spills), then kivi_fp16 (kivi_gluon_fp16.patch rebased on the ring blocks; the two patches
+# both rewrite the key zeros' MMA: apply one, commit it, rebase the other).
 # 2026-12-05 nineteenth session: no device lent (paused). The kernels split (kivi_triton.py, paged_attention_variants.py,
 # attention_mass_reference.py: code moved unchanged); kivi_gluon_fp16.patch and kivi_gluon_ring.patch regenerated on
 # the split (each applies alone on main; the CPU KIVI kernel and Gluon compile tests pass with each). New stage:
@@ -671,7 +673,8 @@ kivi_fp16)  # #20 (prepared 2026-12-04 fourteenth session, rebased on the lean k
 kivi_pipe)  # (ran 2026-12-05 eighteenth session: the lean kernel kept, in the package since; the pipelined one no faster;
   # both patches removed) #20
   echo "ran: see results/kivi_gluon_{lean_before,lean,pipe}_h200.jsonl" ;;
-kivi_ring)  # #20 (prepared 2026-12-04 fourteenth session, rebased on the lean kernel 2026-12-05, not run): the
+kivi_ring)  # #20 (ran 2026-12-05 twentieth session: slower, not applied; the patch no longer applies since the ring
+  # became blocks of its own, a record) (prepared 2026-12-04 fourteenth session, rebased on the lean kernel): the
   # residual ring as the Gluon grid's last split (sessions/kivi_gluon_ring.patch: two launches instead of three; its
   # full-precision tiles loaded straight into the MMA operands; one online-softmax helper for both tiles, in the
   # codes' units; offline sm_90a with Triton 3.9: 174 registers at 2 bits against 156, 182 at 4 bits, 186 with
@@ -732,6 +735,24 @@ ring_ab_lean)  # ring_ab within ~6 min (little device budget): 2 bits at 128K x 
   echo "ncu rc=$?"; ncu -i "$OUT/kivi2_ncu.ncu-rep" --print-details all > "$OUT/kivi_gluon_ncu_details_h200.txt" 2>&1
   ncu -i "$OUT/kivi2_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/kivi_gluon_ncu_sass_h200.csv" 2>&1
   grep -E "Stall|Issued Warp|Eligible|Active Warps|Warp Cycles|Registers|DRAM Throughput|Memory Throughput" "$OUT/kivi_gluon_ncu_details_h200.txt" | head -30 ;;
+kivi_regs)  # #20 (prepared 2026-12-05 twenty-first session): the 2-bit Gluon kernel at 16 warps an SM instead of 12
+  # (ncu: compute-bound, 2.64 active warps a scheduler, kivi_gluon_ncu_21st_h200.md). kivi_gluon_regs.patch: the key
+  # zeros' MMA against the query operands already live (zeros times 2^(s_j - 40), one FMA into the logits) frees 16
+  # registers: 125 under a cap of 128 without spills (offline, ptxas of Triton 3.9; +8 % instructions a group), 2
+  # bits at 16 programs an SM. The package's op, then the patch's under caps 0 / 128 x 12 / 16 programs an SM (each
+  # variant's error against the reference), the decode tests, vanilla / kivi2 at 128K x 4 (~9 min). Commit the patch if
+  # the tests pass and it is faster at 128K x 4.
+  S="python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2"
+  timeout -s INT 70 $S > "$OUT/kivi_regs_before_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "before rc=$?"; cut -c1-170 "$OUT/kivi_regs_before_h200.jsonl"
+  patch -p1 < benchmarks/sessions/kivi_gluon_regs.patch > /dev/null || exit 1
+  timeout -s INT 150 $S --per-sm 12,16 --maxnreg 0,128 > "$OUT/kivi_regs_after_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "after rc=$?"; cut -c1-170 "$OUT/kivi_regs_after_h200.jsonl"; tail -3 "$OUT/sweep.err"
+  timeout -s INT 170 $P tests/gpu/test_kivi_cuda.py -k "decode_attention or h2o" > "$OUT/gpu_tests_kivi_regs.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_regs.log" | tail -6
+  timeout -s INT 170 python3 benchmarks/kivi_bench.py --stage points --points vanilla:131072x4,kivi2:131072x4 \
+    --out "$OUT/kivi_regs_points_h200.jsonl" > "$OUT/kivi_regs_points.log" 2>&1
+  echo "rc=$?"; grep '"tok_s"' "$OUT/kivi_regs_points_h200.jsonl" | cut -c1-220 ;;
 ring_points)  # #20: vanilla / kivi2 / snapkv+kivi at 128K x 4 through the engine, one call (~5 min)
   timeout -s INT 330 python3 benchmarks/kivi_bench.py --stage points \
     --points vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4 --out "$OUT/kivi_ring_points_h200.jsonl" > "$OUT/kivi_ring_points.log" 2>&1
