@@ -739,7 +739,8 @@ kivi_regs)  # #20 (prepared 2026-12-05 twenty-first session): the 2-bit Gluon ke
   # (ncu: compute-bound, 2.64 active warps a scheduler, kivi_gluon_ncu_21st_h200.md). kivi_gluon_regs.patch: the key
   # zeros' MMA against the query operands already live (zeros times 2^(s_j - 40), one FMA into the logits) frees 16
   # registers: 125 under a cap of 128 without spills (offline, ptxas of Triton 3.9; +8 % instructions a group), 2
-  # bits at 16 programs an SM. The package's op, then the patch's under caps 0 / 128 x 12 / 16 programs an SM (each
+  # bits at 16 programs an SM (with h2o+kivi's logits the cap would spill: launch_config drops it there, 12 an SM).
+  # The package's op, then the patch's under caps 0 / 128 x 12 / 16 programs an SM (each
   # variant's error against the reference), the decode tests, vanilla / kivi2 at 128K x 4 (~9 min). Commit the patch if
   # the tests pass and it is faster at 128K x 4.
   S="python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2"
