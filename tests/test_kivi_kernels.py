@@ -223,13 +223,11 @@ def test_triton_decode_with_the_ring_a_program_a_block_matches_reference(bits, s
         want = kivi_decode_attention_reference(*args)
         got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, residual_splits=rsplits)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    for logits in (False, True):
-        args = decode_case(bits=bits, seed=bits)
-        kind = kivi_decode_attention_logits_reference if logits else kivi_decode_attention_reference
-        got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, residual_splits=rsplits,
-                                           with_logits=logits)
-        for g, w in zip(got if logits else [got], kind(*args) if logits else [kind(*args)]):
-            torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    args = decode_case(bits=bits, seed=bits)
+    got = kivi_decode_attention_triton(*args, num_splits=splits, config={"block_f": 16}, residual_splits=rsplits,
+                                       with_logits=True)  # output, log-sum-exp and logits
+    for g, w in zip(got, kivi_decode_attention_logits_reference(*args)):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("window", [0, 60])
