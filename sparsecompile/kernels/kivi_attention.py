@@ -7,9 +7,9 @@ each), slots ``[quantized, lengths)`` in the residual ring ``ring_k / ring_v [ro
 and visibility is :mod:`.paged_attention`'s (inside ``lengths``, position >= 0, not in the future, inside a
 sliding window ``w > 0``).
 
-Kernels (CUDA): where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 queries and scales, 2 or 4 bits,
-group 32, head dim 128, pages of one group) the Gluon kernel (``kivi_gluon.py``) takes the quantized slots and the
-Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits; elsewhere the
+Kernels (CUDA): where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 or fp16 queries and scales, 2 or 4
+bits, group 32, head dim 128, pages of one group) the Gluon kernel (``kivi_gluon.py``) takes the quantized slots and
+the Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits; elsewhere the
 Triton kernel takes every slot. :func:`.paged_attention._combine_kernel` merges the splits; with logits
 (``h2o+kivi``) each kernel writes its own slots' and the combine kernel the log-sum-exp. Shapes neither kernel takes
 run the torch reference (``kivi_reference.py``), as the CPU does.

@@ -8,12 +8,13 @@ layout the kernel names (one warp a program, no cross-warp reduction):
 * **codes enter the MMA as subnormal floats**: a 16-bit float whose bit pattern is ``N < 256`` is exactly
   ``N * 2^-133`` (bf16; the subnormals join the first binade without a gap), so after two byte permutes a word,
   ``x & (3 << 2j) * 0x00010001`` is two exact floats ``code * 4^j * 2^-133`` (4 bits: ``15 << 4j``, ``16^j``) —
-  one instruction a pair, no conversion arithmetic (:data:`_PLANES`);
+  one instruction a pair, no conversion arithmetic (:data:`_PLANES`; in fp16 the same patterns are ``N * 2^-24``,
+  the lifts below then smaller, :data:`_UNITS`);
 * the missing factors go to the other operand: the keys' per-channel scales, ``4^-j`` and a lift of ``2^100`` into
   the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities
-  (lifted by ``2^80``, :data:`P_LIFT`);
-  logits come out in units of ``2^-33`` (folded into the ``exp2``), the output's ``2^(53 - 2j)`` once at the end;
-  the keys' zeros by one MMA of the broadcast zeros against ``q * 2^-33``; the values' zeros' shares
+  (lifted by ``2^80``, :data:`P_LIFT`); the codes' logits come out in units of ``2^-33``, joined to the keys'
+  zeros' (one MMA of the broadcast zeros against ``q``) by one FMA; the output's ``2^(53 - 2j)`` once at the end
+  (bf16; fp16's units in :data:`_UNITS`); the values' zeros' shares
   ``sum_s p_s zero_s`` of the four chunks and the softmax sum ``sum_s p_s`` by one more MMA a group (an A tile of
   the group's value zeros and a row of ones against the bf16 probabilities; per-thread partials before: 205
   registers and 707 instructions a group at 2 bits, now 158 and 518, the keys' logits in two MMA chains);
@@ -24,9 +25,9 @@ It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (`
 quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
 go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's splits (the last
 ones) written by the Triton kernel. H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
-kivi_gluon_chains_sweep_h200.jsonl``, this configuration; % of the 4.44 TB/s measured in ``kernels_kivi_stages3_h200
-.jsonl``): 2 bits 142.1 us at 128K x 4 (67 %; the Triton kernel: 451.6), 143.2 at 32K x 16 (67 %), 50.1 at 128K x 1
-(47 %), 27.2 at 32K x 1 (22 %); 4 bits 192.1 / 190.2 / 71.5 / 36.7 (81 / 82 / 54 / 27 %).
+kivi_gluon_fp16_after_h200.jsonl``, bf16, this kernel; % of 4.44 TB/s): 2 bits 135.4 us at 128K x 4 (70 %; the
+Triton kernel: 451.6), 136.6 at 32K x 16 (70 %), 45.5 at 128K x 1 (52 %), 23.0 at 32K x 1 (26 %); 4 bits 206.0 /
+207.9 / 72.8 / 33.7; fp16 (``kivi_fp16_rows_h200.jsonl``) 2 bits 136.5 us at 128K x 4 (the Triton kernel: 480.6).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ P_LIFT = 80
 KIVI_GLUON_CONFIG = {2: {"stages": 3, "programs_per_sm": 12, "min_groups": 4},
                      4: {"stages": 4, "programs_per_sm": 16, "min_groups": 4}}
 
+#: Per query (and scale) dtype: the codes' unit exponent ``E`` (a 16-bit pattern ``N < 256`` is ``N * 2^-E``), the
+#: query lift ``LQ`` (the keys' operand ``q * scale * 2^(LQ - s_j)``, their logits in units of ``2^(LQ - E)``) and the
+#: probabilities' lift ``P``. bf16 has fp32's exponent range: the query lift of 2^100 and :data:`P_LIFT` keep every
+#: product normal. fp16 tops out at 65504: no query lift (where the keys' operand ``q * scale * 2^-s_j`` falls
+#: subnormal, its absolute error, at most ``2^-25 * 2^s_j`` a channel, stays far under the 2-bit codes' own), and
+#: ``p * 2^8``, finite for value scales up to 256, flushing only probabilities under ``2^-32 / scale`` of the row's
+#: largest.
+_UNITS = {torch.bfloat16: (133, 100, P_LIFT), torch.float16: (24, 0, 8)}
+
 
 @functools.cache
 def _sm90(device_index: int) -> bool:
@@ -67,11 +77,11 @@ def _sm90(device_index: int) -> bool:
 
 def gluon_supported(query: torch.Tensor, bits: int, group: int, dim: int, page: int, rows: int,
                     scale_dtype: torch.dtype) -> bool:
-    """Shapes and devices this kernel takes: 2 or 4 bits, groups of 32, head dim 128, bf16 queries and scales, at most
-    8 query rows (queries x GQA) a KV head, pages of one group (the engine's default with KIVI: ``max(page_size,
-    group_size)``), an sm_90 GPU."""
+    """Shapes and devices this kernel takes: 2 or 4 bits, groups of 32, head dim 128, queries and scales both bf16 or
+    both fp16, at most 8 query rows (queries x GQA) a KV head, pages of one group (the engine's default with KIVI:
+    ``max(page_size, group_size)``), an sm_90 GPU."""
     return (gluon is not None and query.is_cuda and bits in (2, 4) and group == 32 and dim == 128 and page == group
-            and rows <= 8 and query.dtype == torch.bfloat16 and scale_dtype == torch.bfloat16
+            and rows <= 8 and query.dtype in _UNITS and scale_dtype == query.dtype
             and _sm90(query.device.index if query.device.index is not None else torch.cuda.current_device()))
 
 
@@ -79,8 +89,6 @@ if gluon is not None:
     # Triton 3.6 names the copy async_copy_global_to_shared and the barrier thread_barrier; 3.7+ async_load, barrier
     _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    _LIFT = gl.constexpr(float(P_LIFT))
-    _UNLIFT = gl.constexpr(2.0 ** -P_LIFT)
 
     # bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
     _PLANES = gl.constexpr(
@@ -90,11 +98,12 @@ if gluon is not None:
         " and.b32 $6, a, 0x00C000C0; and.b32 $7, b, 0x00C000C0; }")
 
     @gluon.jit
-    def _planes(x):
-        """``[.., 4k]`` bytes -> the four 2-bit planes as bf16 ``code * 4^j * 2^-133``."""
-        return gl.inline_asm_elementwise(_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
-                                         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
-                                         pack=4)
+    def _planes(x, DT: gl.constexpr):
+        """``[.., 4k]`` bytes -> the four 2-bit planes as ``code * 4^j`` subnormals of ``DT`` (units ``2^-133`` in
+        bf16, ``2^-24`` in fp16)."""
+        dt = DT.value
+        return gl.inline_asm_elementwise(_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(dt, dt, dt, dt),
+                                         is_pure=True, pack=4)
 
     _PLANES4 = gl.constexpr(
         "{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $4, z, 0x4140; prmt.b32 b, $4, z, 0x4342;"
@@ -102,20 +111,20 @@ if gluon is not None:
         " and.b32 $3, b, 0x00F000F0; }")
 
     @gluon.jit
-    def _planes4(x):
-        """``[.., 4k]`` bytes -> the two 4-bit planes as bf16 ``code * 16^j * 2^-133``."""
-        return gl.inline_asm_elementwise(_PLANES4, "=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16, gl.bfloat16),
-                                         is_pure=True, pack=4)
+    def _planes4(x, DT: gl.constexpr):
+        """``[.., 4k]`` bytes -> the two 4-bit planes as ``code * 16^j`` subnormals of ``DT``."""
+        return gl.inline_asm_elementwise(_PLANES4, "=r,=r,=r,=r,r", [x], dtype=(DT.value, DT.value), is_pure=True,
+                                         pack=4)
 
     @gluon.jit
-    def _chunks(tile, BITS: gl.constexpr, dim: gl.constexpr, a_l: gl.constexpr):
+    def _chunks(tile, BITS: gl.constexpr, dim: gl.constexpr, a_l: gl.constexpr, DT: gl.constexpr):
         """A stage's codes (keys ``[G, B]``, ``dim`` 1; values ``[B, G]``, ``dim`` 0) -> the four channel chunks'
         A operands in layout ``a_l`` (chunk ``j``: channels ``32j ..``, at byte ``32j % B``, plane ``32j // B``)."""
         if BITS == 2:
-            c0, c1, c2, c3 = _planes(tile.load(a_l))
+            c0, c1, c2, c3 = _planes(tile.load(a_l), DT)
         else:
-            c0, c2 = _planes4(tile.slice(0, 32, dim=dim).load(a_l))
-            c1, c3 = _planes4(tile.slice(32, 32, dim=dim).load(a_l))
+            c0, c2 = _planes4(tile.slice(0, 32, dim=dim).load(a_l), DT)
+            c1, c3 = _planes4(tile.slice(32, 32, dim=dim).load(a_l), DT)
         return c0, c1, c2, c3
 
     @gluon.jit
@@ -161,28 +170,30 @@ if gluon is not None:
 
     @gluon.jit
     def _row(sums, j: gl.constexpr):
-        """Row ``j`` of the ``[16, R]`` sums tile, ``2^-P_LIFT`` undoing the probabilities' lift."""
+        """Row ``j`` of the ``[16, R]`` sums tile (in the probabilities' lifted units)."""
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, sums.type.layout))
-        return gl.sum(gl.where(rows[:, None] == j, sums, 0.0), axis=0) * _UNLIFT
+        return gl.sum(gl.where(rows[:, None] == j, sums, 0.0), axis=0)
 
     @gluon.jit
-    def _finish(acc, sums, j: gl.constexpr, lift, inv):
-        """Chunk ``j``'s normalized output: ``(acc * lift + sum_s p_s zero_s) / l``."""
-        return (acc * lift + _row(sums, j)[None, :]) * inv[None, :]
+    def _finish(acc, sums, j: gl.constexpr, lift, unlift, inv):
+        """Chunk ``j``'s normalized output: ``(acc * lift + sum_s p_s zero_s) / l`` (``unlift``: ``2^-PLIFT``)."""
+        return (acc * lift + (_row(sums, j) * unlift)[None, :]) * inv[None, :]
 
     @gluon.jit
     def _kivi_gluon_kernel(Q, KC, KS, KZ, VC, VS, VZ, POS, INDEX, QUANT, QPOS, MID_O, MID_LSE, LOGITS,
                            stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_pb, qk_scale, window,
                            num_queries, logits_span, KV_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            NUM_SPLITS: gl.constexpr, QSPLITS: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr,
-                           WRITE_LOGITS: gl.constexpr,
+                           WRITE_LOGITS: gl.constexpr, DT: gl.constexpr, KEY_UNITS: gl.constexpr,
+                           PLIFT: gl.constexpr, UNLIFT: gl.constexpr,
                            U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
                            L0: gl.constexpr, L1: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
         """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
         groups; writes split ``program_id(1)`` of ``MID_O / MID_LSE`` (``NUM_SPLITS`` a row, the last ones the
         residual ring's); ``WRITE_LOGITS`` (one query a sequence): every quantized slot's natural-log logit (-inf where
-        masked) to ``LOGITS [batch, q_heads, logits_span]``. ``U_j``: chunk ``j``'s query lift ``2^(100 - s_j)``,
-        ``L_j`` its output's ``2^(133 - P_LIFT - s_j)`` (``s_j`` the chunk's bit offset in a byte)."""
+        masked) to ``LOGITS [batch, q_heads, logits_span]``. With :data:`_UNITS`' ``E, LQ, P`` for ``DT``:
+        ``U_j``, chunk ``j``'s query lift ``2^(LQ - s_j)``, ``L_j`` its output's ``2^(E - s_j - P)`` (``s_j`` the
+        chunk's bit offset in a byte), ``KEY_UNITS = 2^(E - LQ)``, ``PLIFT = P``, ``UNLIFT = 2^-P``."""
         G: gl.constexpr = 32
         C: gl.constexpr = 32
         B: gl.constexpr = 32 * BITS // 2
@@ -195,12 +206,12 @@ if gluon is not None:
         flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         kcs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, B], flat2)
         vcs = gl.allocate_shared_memory(gl.uint8, [STAGES, B, G], flat2)
-        kss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
-        kzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
-        vss = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D], flat1)
+        kss = gl.allocate_shared_memory(DT, [STAGES, D], flat1)
+        kzs = gl.allocate_shared_memory(DT, [STAGES, D], flat1)
+        vss = gl.allocate_shared_memory(DT, [STAGES, D], flat1)
         # the values' zeros [D / G, G] as rows 0..3 of an A tile whose row 4 is ones: one MMA a group gives every
         # chunk's zero share sum_s p_s zero_s and the softmax sum
-        vzs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, G], flat2)
+        vzs = gl.allocate_shared_memory(DT, [STAGES, 16, G], flat2)
         pss = gl.allocate_shared_memory(gl.int32, [STAGES, G], flat1)
         pid = gl.program_id(0)
         split = gl.program_id(1)
@@ -215,14 +226,14 @@ if gluon is not None:
         q1 = gl.load(qp + C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
         q2 = gl.load(qp + 2 * C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
         q3 = gl.load(qp + 3 * C + qc[:, None], mask=qok, other=0.0).to(gl.float32) * qk_scale
-        u0 = (q0 * U0).to(gl.bfloat16)  # times the group's key scales, once a group
-        u1 = (q1 * U1).to(gl.bfloat16)
-        u2 = (q2 * U2).to(gl.bfloat16)
-        u3 = (q3 * U3).to(gl.bfloat16)
-        z0 = (q0.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)  # 2^-33, for the zeros
-        z1 = (q1.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
-        z2 = (q2.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
-        z3 = (q3.to(gl.bfloat16).to(gl.float32) * 1.1641532182693481e-10).to(gl.bfloat16)
+        u0 = (q0 * U0).to(DT)  # times the group's key scales, once a group
+        u1 = (q1 * U1).to(DT)
+        u2 = (q2 * U2).to(DT)
+        u3 = (q3 * U3).to(DT)
+        z0 = q0.to(DT)  # for the zeros (logits in units of 1)
+        z1 = q1.to(DT)
+        z2 = q2.to(DT)
+        z3 = q3.to(DT)
         mr = gl.arange(0, R, layout=gl.SliceLayout(0, mma))
         rok = mr < num_queries * GROUP
         qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1).to(gl.int32)  # slots' dtype
@@ -236,13 +247,13 @@ if gluon is not None:
         o1 = gl.zeros([C, R], gl.float32, layout=mma)
         o2 = gl.zeros([C, R], gl.float32, layout=mma)
         o3 = gl.zeros([C, R], gl.float32, layout=mma)
-        zt = gl.zeros([G, C], gl.bfloat16, layout=a_l)
+        zt = gl.zeros([G, C], DT, layout=a_l)
         tone: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
         ones = gl.where(gl.arange(0, 4, layout=gl.SliceLayout(1, tone))[:, None] == 0,
-                        gl.full([4, G], 1.0, gl.bfloat16, tone), gl.zeros([4, G], gl.bfloat16, tone))
+                        gl.full([4, G], 1.0, DT, tone), gl.zeros([4, G], DT, tone))
         for i in gl.static_range(STAGES):  # rows 4..15 once (the copies write rows 0..3)
             vzs.index(i).slice(4, 4).store(ones)
-            vzs.index(i).slice(8, 8).store(gl.zeros([8, G], gl.bfloat16, tone))
+            vzs.index(i).slice(8, 8).store(gl.zeros([8, G], DT, tone))
         n_groups = gl.load(QUANT + b).to(gl.int32) // G
         per = (n_groups + QSPLITS - 1) // QSPLITS
         first = split * per
@@ -264,7 +275,7 @@ if gluon is not None:
             ahead = gl.load(pages + gl.minimum(nxt + 1, last - 1)).to(gl.int64)  # the page a group ahead
             ksm = kss.index(st)
             kzm = kzs.index(st)
-            k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1, a_l)
+            k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1, a_l, DT)
             s = gl.zeros([G, R], gl.float32, layout=mma)
             # two independent MMA chains (the zeros', the codes'), summed: 1.4 % (2 bits) to 7 % (4 bits) faster at
             # 128K x 4 than one chain of eight, four chains no faster (results/kivi_gluon_chains_sweep_h200.jsonl)
@@ -278,22 +289,22 @@ if gluon is not None:
             sc = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
             kpos = pss.index(st).load(gl.SliceLayout(1, mma))
             vis = (kpos[:, None] > qlo[None, :]) & (kpos[:, None] <= qpos[None, :])
-            s = gl.where(vis, sz + sc, float("-inf"))  # base-2 logits in units of 2^-33 (the codes')
+            s = gl.where(vis, sc * KEY_UNITS + sz, float("-inf"))  # base-2 logits (one FMA from the codes' units)
             if WRITE_LOGITS:  # natural units; a page is one group, so the list's slots grp * G ..
-                gl.store(LOGITS + lrow[None, :] + (grp * G + lslot)[:, None], s * 5954088943.639144,
+                gl.store(LOGITS + lrow[None, :] + (grp * G + lslot)[:, None], s * 0.6931471805599453,
                          mask=rok[None, :])
-            m_new = gl.maximum(m_i, gl.max(s, axis=0) * 8589934592.0)
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * 8589934592.0 - (m_use - _LIFT)[None, :])  # p * 2^P_LIFT by one FMA (undone at the end)
+            p = gl.exp2(s - (m_use - PLIFT)[None, :])  # p * 2^PLIFT (the lift undone at the end)
             if gl.max(gl.where(m_new > m_i, 1, 0), axis=0) > 0:  # a row's max rose: rescale (rarely after the start)
                 alpha = gl.exp2(m_i - m_use)
                 a = alpha[None, :]
                 sums = sums * a
                 o0, o1, o2, o3 = o0 * a, o1 * a, o2 * a, o3 * a
             m_i = m_new
-            pb = gl.convert_layout(p.to(gl.bfloat16), b_l)
+            pb = gl.convert_layout(p.to(DT), b_l)
             sums = mma_v2(vzs.index(st).load(a_l), pb, sums)
-            v0, v1, v2, v3 = _chunks(vcs.index(st), BITS, 0, a_l)
+            v0, v1, v2, v3 = _chunks(vcs.index(st), BITS, 0, a_l, DT)
             vsm = vss.index(st)
             o0 = _values(o0, v0, pb, vsm.slice(0, G))
             o1 = _values(o1, v1, pb, vsm.slice(G, G))
@@ -302,7 +313,7 @@ if gluon is not None:
             ns = st
             st = gl.where(st == STAGES - 1, 0, st + 1)
         async_copy.wait_group(0)
-        l_i = _row(sums, 4)
+        l_i = _row(sums, 4) * UNLIFT
         inv = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
         lse = gl.where(l_i == 0.0, float("-inf"), m_i * 0.6931471805599453 + gl.log(gl.where(l_i == 0.0, 1.0, l_i)))
         qh = h * GROUP + mr % GROUP
@@ -311,10 +322,10 @@ if gluon is not None:
         orow = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
         out = MID_O + mid[None, :] * D + orow[:, None]
         ok = rok[None, :]
-        gl.store(out, _finish(o0, sums, 0, L0, inv), mask=ok)
-        gl.store(out + C, _finish(o1, sums, 1, L1, inv), mask=ok)
-        gl.store(out + 2 * C, _finish(o2, sums, 2, L2, inv), mask=ok)
-        gl.store(out + 3 * C, _finish(o3, sums, 3, L3, inv), mask=ok)
+        gl.store(out, _finish(o0, sums, 0, L0, UNLIFT, inv), mask=ok)
+        gl.store(out + C, _finish(o1, sums, 1, L1, UNLIFT, inv), mask=ok)
+        gl.store(out + 2 * C, _finish(o2, sums, 2, L2, UNLIFT, inv), mask=ok)
+        gl.store(out + 3 * C, _finish(o3, sums, 3, L3, UNLIFT, inv), mask=ok)
 
 
 def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized, q_positions,
@@ -335,16 +346,20 @@ def kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_
         query.stride(0), query.stride(1), query.stride(2), index.stride(0), index.stride(1), q_positions.stride(0),
         float(scale) * 1.4426950408889634, int(sliding_window), queries, 0 if logits is None else logits.shape[-1],
         KV_HEADS=heads, GROUP=q_heads // heads, NUM_SPLITS=mid_lse.shape[-1], QSPLITS=qsplits,
-        **launch_constants(bits, logits is not None), num_warps=1,
+        **launch_constants(bits, logits is not None, query.dtype), num_warps=1,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **FP_FUSION,
     )
 
 
-def launch_constants(bits: int, with_logits: bool) -> dict:
-    """The kernel's constexprs that depend on the bit width alone (the ring stages, the chunks' lifts ``U_j / L_j``)
-    and the logits switch; the shape's (heads, splits) are the launch's."""
+def launch_constants(bits: int, with_logits: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The kernel's constexprs that depend on the bit width and the query dtype alone (the ring stages, the units of
+    :data:`_UNITS`, the chunks' lifts ``U_j / L_j``) and the logits switch; the shape's (heads, splits) are the
+    launch's."""
     shifts = [(32 * j // (128 * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
+    e, lq, lift = _UNITS[dtype]
     return {"STAGES": KIVI_GLUON_CONFIG[bits]["stages"], "BITS": bits, "WRITE_LOGITS": with_logits,
-            **{f"U{j}": 2.0 ** (100 - sh) for j, sh in enumerate(shifts)},
-            **{f"L{j}": 2.0 ** (133 - P_LIFT - sh) for j, sh in enumerate(shifts)}}
+            "DT": gl.bfloat16 if dtype == torch.bfloat16 else gl.float16, "KEY_UNITS": 2.0 ** (e - lq),
+            "PLIFT": float(lift), "UNLIFT": 2.0 ** -lift,
+            **{f"U{j}": 2.0 ** (lq - sh) for j, sh in enumerate(shifts)},
+            **{f"L{j}": 2.0 ** (e - sh - lift) for j, sh in enumerate(shifts)}}
