@@ -987,6 +987,12 @@ export_tests)  # #17 fp32 token equality of AOTI artifacts, every method side by
   # method took 253 s alone on a fresh H200); K= narrows it; -rA prints each test's export and load phases
   timeout -s INT 570 $P -n "${N:-6}" -rA tests/gpu/test_export_cuda.py ${K:+-k "$K"} > "$OUT/gpu_tests_export.log" 2>&1
   echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error|export_s" "$OUT/gpu_tests_export.log" | cut -c1-400 | tail -24 ;;
+export_keys)  # (prepared 2026-12-05 twenty-second session) why the exported form's load missed inductor's cache for its
+  # 3 buckets (test_the_exported_form_serves_without_aoti; passed 2026-12-02): export_cache_keys.py logs every FX-graph
+  # key (components) and lookup (hit / full miss / guard miss + expression) in the export's child (1 GiB pool) and in
+  # three loads (fresh, default KV memory; fresh, 1 GiB; in process), then the components that differ (~5 min)
+  timeout -s INT 540 python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" > "$OUT/export_keys.log" 2>&1
+  echo "rc=$?"; grep -v "^W1205\|warn\|Dim.STATIC" "$OUT/export_keys.log" | tail -40 | cut -c1-400 ;;
 export_point)  # #17 one method end to end: export, load phases (tokenizer by its class), decode vs compiled at
   # POINTS, tokens with the top-2 gap at the first difference. METHOD=snapkv|quest|vanilla, POINTS=131072x4 (~8 min)
   [ -n "${WIDTH:-}" ] && python3 benchmarks/sessions/topk_width.py | tee "$OUT/topk_width_h200.jsonl"  # ~15 s
