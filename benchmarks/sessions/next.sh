@@ -64,7 +64,7 @@
 # or fewer ALU instructions a code, not a new pool layout: kivi_regs (prepared: kivi_gluon_regs.patch, 125 registers
 # under a cap of 128, no spills), then kivi_fp16 (kivi_gluon_fp16.patch rebased on the ring blocks; the two patches
 # both rewrite the key zeros' MMA: apply one, commit it, rebase the other).
-# 2026-12-05 twenty-second session: one failed start, then one machine for the rest: kivi_regs (slower at every point:
+# 2026-12-05 twenty-second session: two failed starts, then one machine for the rest: kivi_regs (slower at every point:
 # 136.1 us for the package against 138.7 / 142.0 / 153.3 at 128K x 4; not applied), kivi_fp16 (22 KIVI GPU tests
 # passed, fp16 2 bits 136.5 us against the Triton kernel's 480.6 at 128K x 4, bf16 no slower: in the package),
 # host_serving (LLM.generate at batch 256: vanilla 5,587, snapkv 3,324, h2o 1,655 output tok/s; detokenizer_cost
@@ -742,7 +742,7 @@ ring_ab_lean)  # ring_ab within ~6 min (little device budget): 2 bits at 128K x 
   echo "ncu rc=$?"; ncu -i "$OUT/kivi2_ncu.ncu-rep" --print-details all > "$OUT/kivi_gluon_ncu_details_h200.txt" 2>&1
   ncu -i "$OUT/kivi2_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/kivi_gluon_ncu_sass_h200.csv" 2>&1
   grep -E "Stall|Issued Warp|Eligible|Active Warps|Warp Cycles|Registers|DRAM Throughput|Memory Throughput" "$OUT/kivi_gluon_ncu_details_h200.txt" | head -30 ;;
-kivi_regs)  # (ran 2026-12-05 twenty-second session: slower at every point, not applied; the patch is in commit ddef809) #20 (prepared 2026-12-05 twenty-first session): the 2-bit Gluon kernel at 16 warps an SM instead of 12
+kivi_regs)  # (ran 2026-12-05 twenty-second session: slower at every point, not applied; the patch as run is in commit 43cda5e, its zeros lifted by 2^(s_j - 14)) #20 (prepared 2026-12-05 twenty-first session): the 2-bit Gluon kernel at 16 warps an SM instead of 12
   # (ncu: compute-bound, 2.64 active warps a scheduler, kivi_gluon_ncu_21st_h200.md). kivi_gluon_regs.patch: the key
   # zeros' MMA against the query operands already live (zeros times 2^(s_j - 40), one FMA into the logits) frees 16
   # registers: 125 under a cap of 128 without spills (offline, ptxas of Triton 3.9; +8 % instructions a group), 2
