@@ -17,7 +17,8 @@ layout the kernel names (one warp a program, no cross-warp reduction):
   (bf16; fp16's units in :data:`_UNITS`); the values' zeros' shares
   ``sum_s p_s zero_s`` of the four chunks and the softmax sum ``sum_s p_s`` by one more MMA a group (an A tile of
   the group's value zeros and a row of ones against the bf16 probabilities; per-thread partials before: 205
-  registers and 707 instructions a group at 2 bits, now 158 and 518, the keys' logits in two MMA chains);
+  registers and 707 instructions a group at 2 bits, now 156 and 492 (offline, Triton 3.9), the keys' logits in two MMA
+  chains);
 * a ring of ``STAGES`` shared-memory buffers filled by ``cp.async``: group ``g + STAGES - 1``'s codes, scales,
   zeros and positions are in flight while group ``g`` computes; the page index is read a group ahead.
 
@@ -26,8 +27,9 @@ quantized slots ``[0, quantized)`` are split over programs; each split's normali
 go to the split buffers :func:`.paged_attention._combine_kernel` merges, the residual ring's splits (the last
 ones) written by the Triton kernel. H200, Llama-3.1-8B attention, the whole op (``benchmarks/results/
 kivi_gluon_fp16_after_h200.jsonl``, bf16, this kernel; % of 4.44 TB/s): 2 bits 135.4 us at 128K x 4 (70 %; the
-Triton kernel: 451.6), 136.6 at 32K x 16 (70 %), 45.5 at 128K x 1 (52 %), 23.0 at 32K x 1 (26 %); 4 bits 206.0 /
-207.9 / 72.8 / 33.7; fp16 (``kivi_fp16_rows_h200.jsonl``) 2 bits 136.5 us at 128K x 4 (the Triton kernel: 480.6).
+Triton kernel 449.1 in ``kernels_kivi_fp16_h200.jsonl``), 136.6 at 32K x 16 (70 %), 45.5 at 128K x 1 (52 %), 23.0 at
+32K x 1 (26 %); 4 bits 206.0 / 207.9 / 72.8 / 33.7; fp16 (``kivi_fp16_rows_h200.jsonl``) 2 bits 136.5 us at 128K x 4
+(the Triton kernel: 480.6).
 """
 
 from __future__ import annotations
