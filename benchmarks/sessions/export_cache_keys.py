@@ -8,8 +8,8 @@ path that logs every FX-graph cache key inductor computes (the key and its compo
 and every lookup's outcome (hit, full miss, or a guard miss with the guard expression), in the export's own child
 (the one that compiles the shipped cache with a 1 GiB pool) and in three loads: a fresh process with the default KV
 memory (most of the GPU), a fresh process with the child's 1 GiB, and this process. Prints each load's counters,
-then each load's key components that differ from the child's for the same bucket. A guard miss on a size bound
-points at inductor's 32-bit indexing guards (the child's small pool fits int32, a large one does not).
+then each load's key components that differ from the child's for the same bucket; a guard miss prints the guard
+that failed.
 
     python benchmarks/sessions/export_cache_keys.py --out DIR   # DIR/cache_keys.jsonl, the summary on stdout
     python benchmarks/sessions/export_cache_keys.py --out DIR --tiny   # the CPU check of the hooks (tiny Llama)
