@@ -250,3 +250,21 @@ def test_the_exported_form_starts_warm_from_its_shipped_compile_cache(tmp_path):
     eager = sparsecompile.LLM(model, "snapkv", tokenizer=word_tokenizer(96), compile=False, **engine)
     params = SamplingParams(temperature=0, max_tokens=4)
     assert loaded["tokens"] == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.slow
+def test_an_aoti_compile_leaves_the_process_inductor_options_as_they_were(tmp_path, monkeypatch):
+    """AOTInductor writes the package's device facts into ``aot_inductor.metadata`` in place: on the process-wide
+    dict they joined the inductor cache key of every later graph in the process, and a later in-process load of an
+    exported artifact missed its shipped compile cache (the H200's export tests, 2026-12-05). ``compile_package``
+    compiles with a copy; a fresh package is built here (an empty package cache) so the compile really runs."""
+    import torch._inductor.config as inductor_config
+
+    from sparsecompile.serving.aoti_package import compile_package, inductor_configs
+
+    monkeypatch.setenv("SPARSECOMPILE_CACHE", str(tmp_path))
+    before = dict(inductor_config.aot_inductor.metadata)
+    ep = torch.export.export(torch.nn.Linear(8, 8).eval(), (torch.randn(2, 8),))
+    package = compile_package(ep, inductor_configs(keep_order=False), torch.device("cpu"))
+    assert package.exists() and package.parent == tmp_path / "aoti"
+    assert inductor_config.aot_inductor.metadata == before

@@ -13,6 +13,15 @@ that failed.
 
     python benchmarks/sessions/export_cache_keys.py --out DIR   # DIR/cache_keys.jsonl, the summary on stdout
     python benchmarks/sessions/export_cache_keys.py --out DIR --tiny   # the CPU check of the hooks (tiny Llama)
+    python benchmarks/sessions/export_cache_keys.py --out DIR --tiny --before aoti   # the cause, on the CPU
+
+Found (2026-12-05, twenty-third session). On an H100 every load hit, alone and after an eager engine in the same
+process (``results/export_keys_{alone,after_eager}_h100.log``; the failing test alone passed there too). In the
+failing run the test's worker had first exported an AOTI artifact in-process, and ``--tiny --before aoti`` reproduces
+the miss on the CPU: the in-process load's AOTAutograd and FX keys differ from the child's in one component,
+``inductor_config[aot_inductor.metadata]``, which AOTInductor fills in place with the package's device facts
+(``AOTI_DEVICE_KEY``, platform, ISA). ``compile_package`` now compiles with a copy of that dict; with it the same run
+gives the child's key.
 """
 
 from __future__ import annotations
@@ -56,6 +65,17 @@ if _LOG:
 
     _cc.compiled_fx_graph_hash = _logged_hash
     _cc.FxGraphCache.find_guarded_entry = classmethod(_logged_find)
+
+    import torch._functorch._aot_autograd.autograd_cache as _ac
+
+    _aot_key = _ac.autograd_cache_key
+
+    def _logged_aot_key(*args, **kwargs):
+        key, lines = _aot_key(*args, **kwargs)
+        _write({"event": "aot_key", "key": key, "lines": [str(x) for x in lines]})
+        return key, lines
+
+    _ac.autograd_cache_key = _logged_aot_key
 '''
 
 _FRESH = r"""
@@ -72,6 +92,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU (checks the hooks)")
+    parser.add_argument("--before", choices=("none", "eager", "aoti"), default="none",
+                        help="what this process does first, as the fresh-process export test did in the failing "
+                             "test's worker: eager, serve the model with an eager pyramidkv LLM and restore it; aoti, "
+                             "export a pyramidkv AOTI artifact (with an empty package cache, so it compiles)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "cache_keys.jsonl"
@@ -92,7 +116,24 @@ def main() -> None:
         from test_export_cuda import ENGINE, METHODS, _model
 
         model, vocab, options = _model(), 128256, {**ENGINE, **METHODS["snapkv"]}
+    if args.before == "eager":
+        from test_export_cuda import METHODS as TEST_METHODS
+        from test_export_cuda import _prompts
+
+        eager = sparsecompile.LLM(model, "pyramidkv", tokenizer=word_tokenizer(vocab), compile=False,
+                                  **{**options, **TEST_METHODS["pyramidkv"]})
+        eager.generate(_prompts() if not args.tiny else [[5, 6, 7, 8] * 5],
+                       sparsecompile.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        sparsecompile.restore(model)
+        del eager
     work = Path(tempfile.mkdtemp(prefix="sc-keys-"))
+    if args.before == "aoti":
+        from test_export_cuda import METHODS as TEST_METHODS
+
+        os.environ["SPARSECOMPILE_CACHE"] = str(work / "packages")
+        extra = {"budget": 12, "window": 4} if args.tiny else TEST_METHODS["pyramidkv"]
+        sparsecompile.export(model, work / "aoti", "pyramidkv", tokenizer=word_tokenizer(vocab), form="aoti",
+                             **{**options, **extra})
     path = sparsecompile.export(model, work / "exported", "snapkv", tokenizer=word_tokenizer(vocab), form="exported",
                                 **options)
     for tag, kv in (("fresh_default", 0), ("fresh_1g", 1 << 30)):
@@ -118,15 +159,16 @@ def _summarize(log: Path) -> None:
     records = [json.loads(ln) for ln in log.read_text().splitlines()]
     keys: dict[str, list[dict]] = {}
     for r in records:
-        if r["event"] == "key":
-            keys.setdefault(r["tag"], []).append(r)
+        if r["event"] in ("key", "aot_key"):
+            keys.setdefault(f"{r['tag']}/{r['event']}", []).append(r)
         else:
             print("lookup", r["tag"], r["key"][:16], r.get("cache_status_detailed"),
                   r.get("cache_status_guard_expr", ""))
     print("keys computed:", {tag: len(found) for tag, found in keys.items()})
-    base = keys.get("child", [])
     for tag, found in keys.items():
-        if tag == "child":
+        who, event = tag.split("/")
+        base = keys.get(f"child/{event}", [])
+        if who == "child":
             continue
         for i, r in enumerate(found):
             if i >= len(base):

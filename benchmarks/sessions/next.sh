@@ -64,6 +64,11 @@
 # or fewer ALU instructions a code, not a new pool layout: kivi_regs (prepared: kivi_gluon_regs.patch, 125 registers
 # under a cap of 128, no spills), then kivi_fp16 (kivi_gluon_fp16.patch rebased on the ring blocks; the two patches
 # both rewrite the key zeros' MMA: apply one, commit it, rebase the other).
+# 2026-12-05 twenty-third session: three failed starts, then an H100 (no H200 came): export_keys (every load hit),
+# the old gemv stage by mistake (a name clash: the new stage is gemv_triton), gemv_triton (a Triton GEMV against
+# cuBLAS: 0.99-1.12x, ~1 % of a decode step, not integrated), the failing export test alone (passed), export_keys
+# BEFORE=eager (every load hit). The export miss's cause found on the CPU (an in-process AOTI compile leaks into
+# every later cache key) and fixed. Next: export_tests N=6 on the H200 (the fix), #18 if the two-GPU kind is lent.
 # 2026-12-05 twenty-second session: two failed starts, then one machine for the rest: kivi_regs (slower at every point:
 # 136.1 us for the package against 138.7 / 142.0 / 153.3 at 128K x 4; not applied), kivi_fp16 (22 KIVI GPU tests
 # passed, fp16 2 bits 136.5 us against the Triton kernel's 480.6 at 128K x 4, bf16 no slower: in the package),
@@ -987,12 +992,18 @@ export_tests)  # #17 fp32 token equality of AOTI artifacts, every method side by
   # method took 253 s alone on a fresh H200); K= narrows it; -rA prints each test's export and load phases
   timeout -s INT 570 $P -n "${N:-6}" -rA tests/gpu/test_export_cuda.py ${K:+-k "$K"} > "$OUT/gpu_tests_export.log" 2>&1
   echo "export tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error|export_s" "$OUT/gpu_tests_export.log" | cut -c1-400 | tail -24 ;;
-export_keys)  # (prepared 2026-12-05 twenty-second session) why the exported form's load missed inductor's cache for its
+export_keys)  # (run 2026-12-05 twenty-third session on an H100: every load hit; BEFORE=eager too; the cause, an
+  # in-process AOTI compile filling inductor's aot_inductor.metadata in place, found on the CPU with --before aoti
+  # and fixed in compile_package) (prepared 2026-12-05 twenty-second session) why the exported form's load missed inductor's cache for its
   # 3 buckets (test_the_exported_form_serves_without_aoti; passed 2026-12-02): export_cache_keys.py logs every FX-graph
   # key (components) and lookup (hit / full miss / guard miss + expression) in the export's child (1 GiB pool) and in
   # three loads (fresh, default KV memory; fresh, 1 GiB; in process), then the components that differ (~5 min)
-  timeout -s INT 540 python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" > "$OUT/export_keys.log" 2>&1
+  timeout -s INT "${KEYS_TIMEOUT:-540}" python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" --before "${BEFORE:-none}" > "$OUT/export_keys.log" 2>&1
   echo "rc=$?"; grep -v "^W1205\|warn\|Dim.STATIC" "$OUT/export_keys.log" | tail -40 | cut -c1-400 ;;
+gemv_triton)  # (2026-12-05 twenty-third session) a plain Triton GEMV against cuBLAS at 1-16 rows, the decode step's
+  # projections and lm_head, 54 configs each (~3 min)
+  timeout 200 python3 benchmarks/sessions/gemv_triton_ab.py > "$OUT/gemv_triton_ab_h200.jsonl" 2> "$OUT/gemv.err"
+  echo "rc=$?"; grep -v error "$OUT/gemv_triton_ab_h200.jsonl" | cut -c1-260; tail -3 "$OUT/gemv.err" ;;
 export_point)  # #17 one method end to end: export, load phases (tokenizer by its class), decode vs compiled at
   # POINTS, tokens with the top-2 gap at the first difference. METHOD=snapkv|quest|vanilla, POINTS=131072x4 (~8 min)
   [ -n "${WIDTH:-}" ] && python3 benchmarks/sessions/topk_width.py | tee "$OUT/topk_width_h200.jsonl"  # ~15 s

@@ -55,12 +55,18 @@ def compile_package(ep: torch.export.ExportedProgram, configs: dict[str, Any], d
     """The AOTI package of ``ep`` under ``<cache root>/aoti``, compiled unless an identical one exists (the prefill
     program is the same for every method of a model). A package that would not load in this process (its own
     static libstdc++) fails here, with the reason, rather than in the serving process."""
+    import torch._inductor.config as inductor_config
+
     cached = cache_root() / "aoti" / f"{package_key(ep, configs, device)}.pt2"
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
+        # AOTI writes the package's device facts into ``aot_inductor.metadata`` in place; on the process-wide dict
+        # they would then join every later graph's inductor cache key in this process, so a later load of an
+        # exported artifact missed its shipped compile cache. The compile gets its own copy.
+        isolated = {**configs, "aot_inductor.metadata": dict(inductor_config.aot_inductor.metadata)}
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
             built = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "package.pt2"),
-                                                             inductor_configs=configs)
+                                                             inductor_configs=isolated)
             check_package(Path(built))
             os.replace(built, cached)
     return cached
