@@ -63,7 +63,8 @@ def compile_package(ep: torch.export.ExportedProgram, configs: dict[str, Any], d
         # AOTI writes the package's device facts into ``aot_inductor.metadata`` in place; on the process-wide dict
         # they would then join every later graph's inductor cache key in this process, so a later load of an
         # exported artifact missed its shipped compile cache. The compile gets its own copy.
-        isolated = {**configs, "aot_inductor.metadata": dict(inductor_config.aot_inductor.metadata)}
+        metadata = configs.get("aot_inductor.metadata", inductor_config.aot_inductor.metadata)
+        isolated = {**configs, "aot_inductor.metadata": dict(metadata)}
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
             built = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "package.pt2"),
                                                              inductor_configs=isolated)
