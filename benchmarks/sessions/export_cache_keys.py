@@ -14,6 +14,8 @@ that failed.
     python benchmarks/sessions/export_cache_keys.py --out DIR   # DIR/cache_keys.jsonl, the summary on stdout
     python benchmarks/sessions/export_cache_keys.py --out DIR --tiny   # the CPU check of the hooks (tiny Llama)
     python benchmarks/sessions/export_cache_keys.py --out DIR --tiny --before aoti   # the cause, on the CPU
+    python benchmarks/sessions/export_cache_keys.py --out DIR --tiny --tiny-device cuda --before aoti --no-fresh
+        # the fix on a GPU (not run yet: no device time was left)
 
 Found (2026-12-05, twenty-third session). On an H100 every load hit, alone and after an eager engine in the same
 process (``results/export_keys_{alone,after_eager}_h100.log``; the failing test alone passed there too). In the
@@ -92,6 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU (checks the hooks)")
+    parser.add_argument("--tiny-device", default="cpu", help="--tiny's device (cuda: the fix checked on a GPU)")
+    parser.add_argument("--no-fresh", action="store_true", help="only the in-process load (no fresh processes)")
     parser.add_argument("--before", choices=("none", "eager", "aoti"), default="none",
                         help="what this process does first, as the fresh-process export test did in the failing "
                              "test's worker: eager, serve the model with an eager pyramidkv LLM and restore it; aoti, "
@@ -110,7 +114,7 @@ def main() -> None:
     import sparsecompile
 
     if args.tiny:
-        model, vocab = tiny_pair("llama")[1], 96
+        model, vocab = tiny_pair("llama")[1].to(args.tiny_device), 96
         options = dict(max_num_seqs=1, max_model_len=64, page_size=4, prefill_chunk_size=16, budget=12, window=4)
     else:
         from test_export_cuda import ENGINE, METHODS, _model
@@ -136,7 +140,7 @@ def main() -> None:
                              **{**options, **extra})
     path = sparsecompile.export(model, work / "exported", "snapkv", tokenizer=word_tokenizer(vocab), form="exported",
                                 **options)
-    for tag, kv in (("fresh_default", 0), ("fresh_1g", 1 << 30)):
+    for tag, kv in () if args.no_fresh else (("fresh_default", 0), ("fresh_1g", 1 << 30)):
         cold = {name: str(work / tag / name) for name in ("SPARSECOMPILE_CACHE", "TORCHINDUCTOR_CACHE_DIR",
                                                            "TRITON_CACHE_DIR")}
         done = subprocess.run([sys.executable, "-c", _FRESH, str(path), str(kv)], capture_output=True, text=True,
