@@ -68,7 +68,8 @@
 # the old gemv stage by mistake (a name clash: the new stage is gemv_triton), gemv_triton (a Triton GEMV against
 # cuBLAS: 0.99-1.12x, ~1 % of a decode step, not integrated), the failing export test alone (passed), export_keys
 # BEFORE=eager (every load hit). The export miss's cause found on the CPU (an in-process AOTI compile leaks into
-# every later cache key) and fixed. Next: export_tests N=6 on the H200 (the fix), #18 if the two-GPU kind is lent.
+# every later cache key) and fixed. Next: export_tests N=6 on the H200 (the fix; or, quick, export_cache_keys.py --tiny
+# --tiny-device cuda --before aoti --no-fresh), #18 if the two-GPU kind is lent.
 # 2026-12-05 twenty-second session: two failed starts, then one machine for the rest: kivi_regs (slower at every point:
 # 136.1 us for the package against 138.7 / 142.0 / 153.3 at 128K x 4; not applied), kivi_fp16 (22 KIVI GPU tests
 # passed, fp16 2 bits 136.5 us against the Triton kernel's 480.6 at 128K x 4, bf16 no slower: in the package),
