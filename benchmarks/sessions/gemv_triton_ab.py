@@ -12,10 +12,10 @@ weight copies to defeat the L2, as `gemv_ab.py` times cuBLAS, which is timed aga
 
 Run once, on an H100 (2026-12-05, twenty-third session, ``results/gemv_triton_ab_h100.jsonl``; its percentages
 assumed the H200's bandwidth and were dropped, GB/s kept): the best of 54 configs against cuBLAS at 4 rows, q/k/v
-1.022x, o 1.116x, gate/up 0.991x, down 1.018x, lm_head 1.060x (1.01-1.12x at 1, 8 and 16 rows). About 3 us a layer
-and 20 us of lm_head, ~1 % of a decode step: not worth an op and a graph pass. The short projections stay slow
-for both (q/k/v 2.5 TB/s, o 2.4 TB/s with the Triton kernel, of the H100's nominal 3.35): too short a read to
-reach full bandwidth.
+1.022x, o 1.116x, gate/up 0.991x, down 1.018x, lm_head 1.060x (0.99-1.12x at 1, 8 and 16 rows). 2.9 us a layer
+where it wins and 20 us of lm_head, ~1 % of a decode step: not worth an op and a graph pass. The short
+projections stay slow for both (q/k/v 2.5 TB/s, o 2.4 TB/s with the Triton kernel, of the H100's nominal 3.35):
+too short a read to reach full bandwidth.
 """
 
 from __future__ import annotations
