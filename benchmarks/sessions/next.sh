@@ -1001,6 +1001,22 @@ export_keys)  # (run 2026-12-05 twenty-third session on an H100: every load hit;
   # three loads (fresh, default KV memory; fresh, 1 GiB; in process), then the components that differ (~5 min)
   timeout -s INT "${KEYS_TIMEOUT:-540}" python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" --before "${BEFORE:-none}" > "$OUT/export_keys.log" 2>&1
   echo "rc=$?"; grep -v "^W1205\|warn\|Dim.STATIC" "$OUT/export_keys.log" | tail -40 | cut -c1-400 ;;
+ring_overlap)  # #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
+  # kernel under a capture (OVERLAP_RING): the op A/B at the four points (kivi_ring_overlap.py), then vanilla / kivi2 /
+  # snapkv+kivi at 128K x 4 through the engine, then kivi2 again with OVERLAP_RING = False (~9.5 min)
+  timeout -s INT 150 python3 benchmarks/sessions/kivi_ring_overlap.py > "$OUT/kivi_ring_overlap_h200.jsonl" 2> "$OUT/overlap.err"
+  echo "rc=$?"; tail -2 "$OUT/overlap.err"; cut -c1-200 "$OUT/kivi_ring_overlap_h200.jsonl"
+  timeout -s INT 300 python3 benchmarks/kivi_bench.py --stage points \
+    --points vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4 --out "$OUT/kivi_overlap_points_h200.jsonl" > "$OUT/kivi_overlap_points.log" 2>&1
+  echo "rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_points_h200.jsonl" | cut -c1-200
+  sed -i 's/^OVERLAP_RING = True/OVERLAP_RING = False/' sparsecompile/kernels/kivi_attention.py
+  timeout -s INT 130 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
+    --out "$OUT/kivi_overlap_off_points_h200.jsonl" > "$OUT/kivi_overlap_off.log" 2>&1
+  echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_off_points_h200.jsonl" | cut -c1-200
+  sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
+ring_overlap_tests)  # #20 every KIVI GPU test with the ring's launch beside the Gluon kernel's (~6 min)
+  timeout -s INT 400 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_24th_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_24th_h200.log" | tail -8 ;;
 gemv_triton)  # (2026-12-05 twenty-third session) a plain Triton GEMV against cuBLAS at 1-16 rows, the decode step's
   # projections and lm_head, 54 configs each (~3 min)
   timeout 200 python3 benchmarks/sessions/gemv_triton_ab.py > "$OUT/gemv_triton_ab_h200.jsonl" 2> "$OUT/gemv.err"

@@ -9,13 +9,16 @@ sliding window ``w > 0``).
 
 Kernels (CUDA): where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 or fp16 queries and scales, 2 or 4
 bits, group 32, head dim 128, pages of one group) the Gluon kernel (``kivi_gluon.py``) takes the quantized slots and
-the Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits; elsewhere the
-Triton kernel takes every slot. :func:`.paged_attention._combine_kernel` merges the splits; with logits
+the Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits (captured in a
+CUDA graph, on a side stream beside the Gluon kernel: :data:`OVERLAP_RING`); elsewhere the Triton kernel takes every
+slot. :func:`.paged_attention._combine_kernel` merges the splits; with logits
 (``h2o+kivi``) each kernel writes its own slots' and the combine kernel the log-sum-exp. Shapes neither kernel takes
 run the torch reference (``kivi_reference.py``), as the CPU does.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -39,6 +42,18 @@ except ImportError:  # pragma: no cover
 else:
     from .kivi_triton import _kivi_decode_kernel
     from .paged_attention import _combine_kernel
+
+
+#: Whether a captured launch runs the residual ring's splits on a side stream beside the Gluon kernel's (the ring's
+#: small grid then fills the quantized grid's last wave instead of running after it).
+OVERLAP_RING = True
+
+
+@functools.cache
+def _ring_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a device for the ring's launch (created once: a capture may not create streams lazily on
+    every call)."""
+    return torch.cuda.Stream(device)
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
@@ -113,14 +128,24 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         )
 
     # the quantized splits (the Gluon kernel's, or the Triton kernel's), then the ring's blocks, as two launches
-    # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement)
+    # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement); under
+    # a CUDA graph's capture the ring's launch goes on a side stream, overlapping the quantized one (both only write
+    # their own splits), and the capture stream waits for it before the combine
+    side = _ring_stream(query.device) if gluon and rsplits and OVERLAP_RING and query.is_cuda \
+        and torch.cuda.is_current_stream_capturing() else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(query.device))
+        with torch.cuda.stream(side):
+            triton_splits(splits - rsplits, rsplits)
     if gluon:
         kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
                              q_positions, scale, sliding_window, mid_o, mid_lse, splits - rsplits,
                              logits if with_logits else None)
     elif rsplits:
         triton_splits(0, splits - rsplits)
-    if rsplits:
+    if side is not None:
+        torch.cuda.current_stream(query.device).wait_stream(side)
+    elif rsplits:
         triton_splits(splits - rsplits, rsplits)
     else:
         triton_splits(0, splits)

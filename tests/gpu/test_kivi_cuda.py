@@ -46,20 +46,10 @@ def test_quantize_triton_equals_reference(bits, scale_dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
-@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
-def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
-    """bf16 scales: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
-    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
-    the first page are skipped."""
-    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
-    from sparsecompile.kernels.kivi_gluon import gluon_supported
+def _decode_args(bits: int, context: int, batch: int, scale_dtype: torch.dtype, window: int) -> tuple:
+    """The KIVI decode op's inputs at ``context x batch``: quantized pages of random keys (a per-channel offset)
+    and values, holes in each first page, a 160-slot residual ring, one bf16 query a sequence."""
     from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
-    from sparsecompile.kernels.kivi_reference import (
-        kivi_decode_attention_logits_reference,
-        kivi_decode_attention_reference,
-    )
 
     g = torch.Generator(device="cuda").manual_seed(context + bits)
     per_seq = -(-context // PAGE)
@@ -86,6 +76,25 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
     args = (query, *pages, pos, ring_k, ring_v, torch.arange(batch, device="cuda"), index, lengths,
             torch.full((batch,), quant, device="cuda"), torch.full((batch, 1), context, device="cuda"),
             DIM ** -0.5, window)
+    return args
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
+@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
+def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
+    """bf16 scales: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
+    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
+    the first page are skipped."""
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_gluon import gluon_supported
+    from sparsecompile.kernels.kivi_reference import (
+        kivi_decode_attention_logits_reference,
+        kivi_decode_attention_reference,
+    )
+
+    args = _decode_args(bits, context, batch, scale_dtype, window)
+    query = args[0]
     want = kivi_decode_attention_reference(*args)
     gluon = gluon_supported(query, bits, 32, DIM, PAGE, GROUP_Q, scale_dtype)
     assert gluon == (scale_dtype == torch.bfloat16 and torch.cuda.get_device_capability() == (9, 0))
@@ -107,6 +116,38 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
         seen = ~torch.isneginf(logits_ref)
         torch.testing.assert_close(logits[seen], logits_ref[seen], atol=5e-2, rtol=1e-2)
         torch.testing.assert_close((logits - lse).exp(), (logits_ref - lse_ref).exp(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_decode_attention_captured_with_the_ring_beside_equals_eager(bits, with_logits):
+    """Under a CUDA graph's capture the residual ring's launch runs on a side stream beside the Gluon kernel's
+    (``OVERLAP_RING``); a replay gives the eager launch's results bit for bit (the same kernels write the same
+    splits), replay after replay with new queries and ring contents copied in (the join before the combine holds)."""
+    from sparsecompile.kernels import kivi_attention
+
+    args = _decode_args(bits, 4096, 4, torch.bfloat16, 0)
+    query, ring_k, ring_v = args[0], args[8], args[9]
+
+    def run():
+        out = kivi_attention.kivi_decode_attention_triton(*args, with_logits=with_logits)
+        return out if with_logits else (out,)
+
+    assert kivi_attention.OVERLAP_RING
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(3):
+        for t in (query, ring_k, ring_v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        graph.replay()
+        want = run()  # eager: the ring's launch after the Gluon kernel's, on one stream
+        torch.cuda.synchronize()
+        for got, ref in zip(captured, want, strict=True):
+            assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("method,options", [("kivi", dict(bits=2, residual=32)),
