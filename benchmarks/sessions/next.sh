@@ -1004,10 +1004,12 @@ export_keys)  # (run 2026-12-05 twenty-third session on an H100: every load hit;
 ring_overlap)  # #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
   # kernel under a capture (OVERLAP_RING): the op A/B at the four points (kivi_ring_overlap.py), then vanilla / kivi2 /
   # snapkv+kivi at 128K x 4 through the engine, then kivi2 again with OVERLAP_RING = False (~9.5 min)
-  timeout -s INT 150 python3 benchmarks/sessions/kivi_ring_overlap.py > "$OUT/kivi_ring_overlap_h200.jsonl" 2> "$OUT/overlap.err"
+  timeout -s INT 150 python3 benchmarks/sessions/kivi_ring_overlap.py ${OVERLAP_POINTS:+--points "$OVERLAP_POINTS"} \
+    > "$OUT/kivi_ring_overlap_h200.jsonl" 2> "$OUT/overlap.err"
   echo "rc=$?"; tail -2 "$OUT/overlap.err"; cut -c1-200 "$OUT/kivi_ring_overlap_h200.jsonl"
   timeout -s INT 300 python3 benchmarks/kivi_bench.py --stage points \
-    --points vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4 --out "$OUT/kivi_overlap_points_h200.jsonl" > "$OUT/kivi_overlap_points.log" 2>&1
+    --points "${BENCH_POINTS:-vanilla:131072x4,kivi2:131072x4,snapkv+kivi:131072x4}" \
+    --out "$OUT/kivi_overlap_points_h200.jsonl" > "$OUT/kivi_overlap_points.log" 2>&1
   echo "rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_points_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = True/OVERLAP_RING = False/' sparsecompile/kernels/kivi_attention.py
   timeout -s INT 130 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
