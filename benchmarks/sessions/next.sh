@@ -64,6 +64,10 @@
 # or fewer ALU instructions a code, not a new pool layout: kivi_regs (prepared: kivi_gluon_regs.patch, 125 registers
 # under a cap of 128, no spills), then kivi_fp16 (kivi_gluon_fp16.patch rebased on the ring blocks; the two patches
 # both rewrite the key zeros' MMA: apply one, commit it, rebase the other).
+# 2026-12-05 twenty-fourth session: export_tests N=6 on the H200 (9 passed with the fix), then an H100: ring_overlap
+# (the ring's launch beside the Gluon kernel under a capture: single-sequence points 3-5 us faster, the batched
+# points within their spread, kivi2 at 128K x 4 unchanged; vanilla does not fit there), ring_overlap_tests (26
+# passed). Next: ring_overlap on the H200 (OVERLAP_POINTS=32768x1 BENCH_POINTS=vanilla:131072x4,kivi2:131072x4).
 # 2026-12-05 twenty-third session: three failed starts, then an H100 (no H200 came): export_keys (every load hit),
 # the old gemv stage by mistake (a name clash: the new stage is gemv_triton), gemv_triton (a Triton GEMV against
 # cuBLAS: 0.99-1.12x, ~1 % of a decode step, not integrated), the failing export test alone (passed), export_keys
