@@ -45,14 +45,15 @@ else:
 
 
 #: Whether a captured launch runs the residual ring's splits on a side stream beside the Gluon kernel's (the ring's
-#: small grid then fills the quantized grid's last wave instead of running after it).
+#: small grid then runs among the quantized grid's programs instead of after them). H200, 2026-12-05: the op 3-13 %
+#: faster at 32K x 1 and 128K x 4, 2 and 4 bits; the ``kivi2`` decode step at 128K x 4 unchanged within its spread
+#: (``benchmarks/results/kivi_ring_overlap_h200.jsonl``, ``kivi_overlap{,_off}_points_h200.jsonl``).
 OVERLAP_RING = True
 
 
 @functools.cache
 def _ring_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream a device for the ring's launch (created once: a capture may not create streams lazily on
-    every call)."""
+    """The ring's side stream, one a device, created on first use and reused by every later capture."""
     return torch.cuda.Stream(device)
 
 
