@@ -67,7 +67,9 @@
 # 2026-12-05 twenty-fourth session: export_tests N=6 on the H200 (9 passed with the fix), then an H100: ring_overlap
 # (the ring's launch beside the Gluon kernel under a capture: single-sequence points 3-5 us faster, the batched
 # points within their spread, kivi2 at 128K x 4 unchanged; vanilla does not fit there), ring_overlap_tests (26
-# passed). Next: ring_overlap on the H200 (OVERLAP_POINTS=32768x1 BENCH_POINTS=vanilla:131072x4,kivi2:131072x4).
+# passed), then an H200: ring_overlap OVERLAP_POINTS=32768x1,131072x4 BENCH_POINTS=vanilla:131072x4,kivi2:131072x4
+# (the op 3-13 % faster, bit-equal; kivi2 436.3 on / 440.0 off tok/s against vanilla's 189.8, inside the spread).
+# Next: overlap_small (the step where the op gains most), the KIVI and mixed GPU tests on the H200 (verify).
 # 2026-12-05 twenty-third session: three failed starts, then an H100 (no H200 came): export_keys (every load hit),
 # the old gemv stage by mistake (a name clash: the new stage is gemv_triton), gemv_triton (a Triton GEMV against
 # cuBLAS: 0.99-1.12x, ~1 % of a decode step, not integrated), the failing export test alone (passed), export_keys
@@ -1019,6 +1021,16 @@ ring_overlap)  # #20 (2026-12-05 twenty-fourth session) the residual ring's laun
   timeout -s INT 130 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
     --out "$OUT/kivi_overlap_off_points_h200.jsonl" > "$OUT/kivi_overlap_off.log" 2>&1
   echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_off_points_h200.jsonl" | cut -c1-200
+  sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
+overlap_small)  # #20 (prepared 2026-12-05 twenty-fourth session) the kivi2 step at the single-sequence points, where the
+  # op gains most from OVERLAP_RING (3-4 us a layer on the H200): on, then off in the next process (~5 min)
+  timeout -s INT 200 python3 benchmarks/kivi_bench.py --stage points --points kivi2:32768x1,kivi2:131072x1 \
+    --out "$OUT/kivi_overlap_small_h200.jsonl" > "$OUT/kivi_overlap_small.log" 2>&1
+  echo "on rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_small_h200.jsonl" | cut -c1-200
+  sed -i 's/^OVERLAP_RING = True/OVERLAP_RING = False/' sparsecompile/kernels/kivi_attention.py
+  timeout -s INT 150 python3 benchmarks/kivi_bench.py --stage points --points kivi2:32768x1,kivi2:131072x1 \
+    --out "$OUT/kivi_overlap_small_off_h200.jsonl" > "$OUT/kivi_overlap_small_off.log" 2>&1
+  echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_small_off_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
 ring_overlap_tests)  # #20 every KIVI GPU test with the ring's launch beside the Gluon kernel's (~6 min)
   timeout -s INT 400 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_24th_h200.log" 2>&1
