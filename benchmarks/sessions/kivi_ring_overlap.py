@@ -26,15 +26,14 @@ from sparsecompile.kernels.kivi_reference import kivi_decode_attention_reference
 
 def _graph_out(args) -> torch.Tensor:
     """The op's output from one captured replay (the side stream is taken only under a capture)."""
-    out = {}
     kivi_attention.kivi_decode_attention_triton(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out["o"] = kivi_attention.kivi_decode_attention_triton(*args)
+        out = kivi_attention.kivi_decode_attention_triton(*args)
     graph.replay()
     torch.cuda.synchronize()
-    return out["o"].float().clone()
+    return out.float().clone()
 
 
 def main() -> None:

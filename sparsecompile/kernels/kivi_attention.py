@@ -132,10 +132,11 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement); under
     # a CUDA graph's capture the ring's launch goes on a side stream, overlapping the quantized one (both only write
     # their own splits), and the capture stream waits for it before the combine
-    side = _ring_stream(query.device) if gluon and rsplits and OVERLAP_RING and query.is_cuda \
-        and torch.cuda.is_current_stream_capturing() else None
+    side = _ring_stream(query.device) if gluon and rsplits and OVERLAP_RING and \
+        torch.cuda.is_current_stream_capturing() else None  # (gluon: a CUDA query)
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(query.device))
+        main = torch.cuda.current_stream(query.device)
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             triton_splits(splits - rsplits, rsplits)
     if gluon:
@@ -145,7 +146,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     elif rsplits:
         triton_splits(0, splits - rsplits)
     if side is not None:
-        torch.cuda.current_stream(query.device).wait_stream(side)
+        main.wait_stream(side)
     elif rsplits:
         triton_splits(splits - rsplits, rsplits)
     else:
