@@ -1032,6 +1032,29 @@ overlap_small)  # #20 (prepared 2026-12-05 twenty-fourth session) the kivi2 step
     --out "$OUT/kivi_overlap_small_off_h200.jsonl" > "$OUT/kivi_overlap_small_off.log" 2>&1
   echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_small_off_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
+qshared)  # #20 (2026-12-05 twenty-fifth session) the Gluon kernel's query operands in shared memory (q_shared: 156 ->
+  # 122 / 126 registers at 2 bits offline): the op sweep (q_shared x stages x programs an SM, outputs bit-equal), then
+  # kivi2 at 128K x 4 through the engine with the package's configuration and with the sweep's fastest q_shared one
+  # at that point (~8 min)
+  timeout -s INT 240 python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 2 --q-shared 0,1 --stages 2,3 \
+    --per-sm 12,16 > "$OUT/kivi_qshared_sweep_h200.jsonl" 2> "$OUT/sweep.err"
+  echo "2-bit rc=$?"; tail -2 "$OUT/sweep.err"; cut -c1-230 "$OUT/kivi_qshared_sweep_h200.jsonl"
+  timeout -s INT 120 python3 benchmarks/sessions/kivi_gluon_sweep.py --bits 4 --q-shared 0,1 --stages 3,4 \
+    --points 32768x1,131072x4 >> "$OUT/kivi_qshared_sweep_h200.jsonl" 2>> "$OUT/sweep.err"
+  echo "4-bit rc=$?"; grep '"bits": 4' "$OUT/kivi_qshared_sweep_h200.jsonl" | cut -c1-230
+  best=$(python3 -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '\"us\"' in l]
+rows = [r for r in rows if r['bits'] == 2 and r['q_shared'] and (r['context'], r['batch']) == (131072, 4)]
+r = min(rows, key=lambda r: r['us'])
+print(json.dumps({'2': {k: r[k] for k in ('q_shared', 'stages', 'programs_per_sm')}}))" "$OUT/kivi_qshared_sweep_h200.jsonl")
+  echo "best q_shared at 128K x 4: $best"
+  timeout -s INT 150 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
+    --out "$OUT/kivi_qshared_base_points_h200.jsonl" > "$OUT/kivi_qshared_base.log" 2>&1
+  echo "base rc=$?"; grep '"tok_s"' "$OUT/kivi_qshared_base_points_h200.jsonl" | cut -c1-200
+  KIVI_CFG="$best" timeout -s INT 150 python3 benchmarks/sessions/with_gluon_config.py benchmarks/kivi_bench.py \
+    --stage points --points kivi2:131072x4 --out "$OUT/kivi_qshared_points_h200.jsonl" > "$OUT/kivi_qshared.log" 2>&1
+  echo "q_shared rc=$?"; grep '"tok_s"' "$OUT/kivi_qshared_points_h200.jsonl" | cut -c1-200 ;;
 ring_overlap_tests)  # #20 every KIVI GPU test with the ring's launch beside the Gluon kernel's (~6 min)
   timeout -s INT 400 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_24th_h200.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_24th_h200.log" | tail -8 ;;
