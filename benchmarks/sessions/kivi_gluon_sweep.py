@@ -10,7 +10,7 @@ programs an SM or longer splits (``min_groups``) at the single-sequence points, 
 groups (5 at 32K x 1).
 
     python benchmarks/sessions/kivi_gluon_sweep.py [--bits 2] [--stages 3] [--per-sm 6,8,10,12] [--min-groups 4,8]
-        [--maxnreg 0] [--q-shared 0,1] [--points 32768x1,131072x1]   # JSON lines
+        [--maxnreg 0] [--points 32768x1,131072x1]   # JSON lines
 """
 
 from __future__ import annotations
@@ -43,15 +43,12 @@ def main() -> None:
     parser.add_argument("--per-sm", default="", help="programs an SM the splits fill (default: the package's)")
     parser.add_argument("--min-groups", default="", help="the fewest key groups a split holds (default: the package's)")
     parser.add_argument("--maxnreg", default="0", help="register caps, 0 for none")
-    parser.add_argument("--q-shared", default="", help="0 / 1: the query operands in shared memory")
     parser.add_argument("--points", default="32768x1,32768x16,131072x1,131072x4", help="CONTEXTxBATCH,...")
     args = parser.parse_args()
     default = {bits: dict(cfg) for bits, cfg in kivi_gluon.KIVI_GLUON_CONFIG.items()}
     points = [tuple(int(v) for v in p.lower().split("x")) for p in args.points.split(",")]
     for bits in _ints(args.bits):
-        variants = [{"stages": st, "programs_per_sm": n, "min_groups": mg, "q_shared": bool(qs),
-                     **({"maxnreg": r} if r else {})}
-                    for qs in (_ints(args.q_shared) or [int(default[bits].get("q_shared", False))])
+        variants = [{"stages": st, "programs_per_sm": n, "min_groups": mg, **({"maxnreg": r} if r else {})}
                     for st in (_ints(args.stages) or [default[bits]["stages"]])
                     for n in (_ints(args.per_sm) or [default[bits]["programs_per_sm"]])
                     for mg in (_ints(args.min_groups) or [default[bits]["min_groups"]])
@@ -59,20 +56,13 @@ def main() -> None:
         for context, batch in points:
             sets = decode_inputs(batch, context, bits, 3)
             want = kivi_decode_attention_reference(*sets[0]).float()
-            outs = {}
             for v in variants:
                 kivi_gluon.KIVI_GLUON_CONFIG[bits] = dict(v)
-                out = kivi_decode_attention_triton(*sets[0]).float()
-                key = tuple(sorted((k, x) for k, x in v.items() if k != "q_shared"))
-                outs.setdefault(key, {})[v["q_shared"]] = out
-                err = (out - want).abs().max().item()
+                err = (kivi_decode_attention_triton(*sets[0]).float() - want).abs().max().item()
                 us = time_graph([lambda a=a: kivi_decode_attention_triton(*a) for a in sets], 20) * 1e6
-                pair = outs[key]
-                diff = (pair[True] - pair[False]).abs().max().item() if len(pair) == 2 else None
                 print(json.dumps({"bits": bits, "batch": batch, "context": context, **v, "us": us,
-                                  "GBps": decode_bytes(batch, context, bits) / us / 1e3, "err": err, "diff": diff}),
-                      flush=True)
-            del want, sets, outs
+                                  "GBps": decode_bytes(batch, context, bits) / us / 1e3, "err": err}), flush=True)
+            del want, sets
             torch.cuda.empty_cache()
     kivi_gluon.KIVI_GLUON_CONFIG.update(default)
 

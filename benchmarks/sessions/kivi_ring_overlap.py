@@ -2,6 +2,8 @@
 the residual ring's Triton launch on the capture stream after the Gluon kernel (``OVERLAP_RING = False``, the
 arrangement before) and on a side stream beside it (``True``); each arrangement's output against the torch
 reference ("err") and against the other's ("diff", expected 0: the same kernels write the same splits).
+A record: the switch left the package in the twenty-fifth session (the decode step 1.3 % slower with it, interleaved
+runs, ``results/kivi_overlap_interleaved_h200.jsonl``); this runs at commit ce0c53f.
 
     python benchmarks/sessions/kivi_ring_overlap.py [--bits 2,4] [--points 32768x1,131072x4]   # JSON lines
 """

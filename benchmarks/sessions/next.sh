@@ -70,6 +70,12 @@
 # passed), then an H200: ring_overlap OVERLAP_POINTS=32768x1,131072x4 BENCH_POINTS=vanilla:131072x4,kivi2:131072x4
 # (the op 3-13 % faster, bit-equal; kivi2 436.3 on / 440.0 off tok/s against vanilla's 189.8, inside the spread).
 # Next: overlap_small (the step where the op gains most), the KIVI and mixed GPU tests on the H200 (verify).
+# 2026-12-05 twenty-fifth session: one failed start, then an H200: qshared (the query operands in shared memory:
+# 122-126 registers, slower at every point, 131.2 -> 166.9 us at 128K x 4; kivi2 436.0 -> 383.9 tok/s; not applied,
+# kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
+# off / on / off / on at 32K x 1 (the step 1.3 % slower with the side stream: 5.51 / 5.50 against 5.58 / 5.58 ms;
+# OVERLAP_RING removed, so ring_overlap and overlap_small run only at ce0c53f), vanilla / kivi2 at 128K x 4
+# without it (189.8 / 438.8 tok/s, 2.31x).
 # 2026-12-05 twenty-third session: three failed starts, then an H100 (no H200 came): export_keys (every load hit),
 # the old gemv stage by mistake (a name clash: the new stage is gemv_triton), gemv_triton (a Triton GEMV against
 # cuBLAS: 0.99-1.12x, ~1 % of a decode step, not integrated), the failing export test alone (passed), export_keys
@@ -1007,7 +1013,7 @@ export_keys)  # (run 2026-12-05 twenty-third session on an H100: every load hit;
   # three loads (fresh, default KV memory; fresh, 1 GiB; in process), then the components that differ (~5 min)
   timeout -s INT "${KEYS_TIMEOUT:-540}" python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" --before "${BEFORE:-none}" > "$OUT/export_keys.log" 2>&1
   echo "rc=$?"; grep -v "^W1205\|warn\|Dim.STATIC" "$OUT/export_keys.log" | tail -40 | cut -c1-400 ;;
-ring_overlap)  # #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
+ring_overlap)  # (ran; OVERLAP_RING exists at ce0c53f only) #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
   # kernel under a capture (OVERLAP_RING): the op A/B at the four points (kivi_ring_overlap.py), then vanilla / kivi2 /
   # snapkv+kivi at 128K x 4 through the engine, then kivi2 again with OVERLAP_RING = False (~9.5 min)
   timeout -s INT 150 python3 benchmarks/sessions/kivi_ring_overlap.py ${OVERLAP_POINTS:+--points "$OVERLAP_POINTS"} \
@@ -1022,7 +1028,7 @@ ring_overlap)  # #20 (2026-12-05 twenty-fourth session) the residual ring's laun
     --out "$OUT/kivi_overlap_off_points_h200.jsonl" > "$OUT/kivi_overlap_off.log" 2>&1
   echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_off_points_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
-overlap_small)  # #20 (prepared 2026-12-05 twenty-fourth session) the kivi2 step at the single-sequence points, where the
+overlap_small)  # (ran 2026-12-05 twenty-fifth session; OVERLAP_RING exists at ce0c53f only) #20 the kivi2 step at the single-sequence points, where the
   # op gains most from OVERLAP_RING (3-4 us a layer on the H200): on, then off in the next process (~5 min)
   timeout -s INT 200 python3 benchmarks/kivi_bench.py --stage points --points kivi2:32768x1,kivi2:131072x1 \
     --out "$OUT/kivi_overlap_small_h200.jsonl" > "$OUT/kivi_overlap_small.log" 2>&1
@@ -1032,7 +1038,7 @@ overlap_small)  # #20 (prepared 2026-12-05 twenty-fourth session) the kivi2 step
     --out "$OUT/kivi_overlap_small_off_h200.jsonl" > "$OUT/kivi_overlap_small_off.log" 2>&1
   echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_small_off_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
-qshared)  # #20 (2026-12-05 twenty-fifth session) the Gluon kernel's query operands in shared memory (q_shared: 156 ->
+qshared)  # (ran; the kernel switch is in kivi_q_shared.patch) #20 (2026-12-05 twenty-fifth session) the Gluon kernel's query operands in shared memory (q_shared: 156 ->
   # 122 / 126 registers at 2 bits offline): the op sweep (q_shared x stages x programs an SM, outputs bit-equal), then
   # kivi2 at 128K x 4 through the engine with the package's configuration and with the sweep's fastest q_shared one
   # at that point (~8 min)

@@ -9,16 +9,13 @@ sliding window ``w > 0``).
 
 Kernels (CUDA): where :func:`.kivi_gluon.gluon_supported` (an sm_90 GPU, bf16 or fp16 queries and scales, 2 or 4
 bits, group 32, head dim 128, pages of one group) the Gluon kernel (``kivi_gluon.py``) takes the quantized slots and
-the Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits (captured in a
-CUDA graph, on a side stream beside the Gluon kernel: :data:`OVERLAP_RING`); elsewhere the Triton kernel takes every
-slot. :func:`.paged_attention._combine_kernel` merges the splits; with logits
+the Triton kernel (``kivi_triton.py``) only the residual ring, a program a block, as the last splits; elsewhere the
+Triton kernel takes every slot. :func:`.paged_attention._combine_kernel` merges the splits; with logits
 (``h2o+kivi``) each kernel writes its own slots' and the combine kernel the log-sum-exp. Shapes neither kernel takes
 run the torch reference (``kivi_reference.py``), as the CPU does.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -42,19 +39,6 @@ except ImportError:  # pragma: no cover
 else:
     from .kivi_triton import _kivi_decode_kernel
     from .paged_attention import _combine_kernel
-
-
-#: Whether a captured launch runs the residual ring's splits on a side stream beside the Gluon kernel's (the ring's
-#: small grid then runs among the quantized grid's programs instead of after them). H200, 2026-12-05: the op 3-13 %
-#: faster at 32K x 1 and 128K x 4, 2 and 4 bits; the ``kivi2`` decode step at 128K x 4 unchanged within its spread
-#: (``benchmarks/results/kivi_ring_overlap_h200.jsonl``, ``kivi_overlap{,_off}_points_h200.jsonl``).
-OVERLAP_RING = True
-
-
-@functools.cache
-def _ring_stream(device: torch.device) -> torch.cuda.Stream:
-    """The ring's side stream, one a device, created on first use and reused by every later capture."""
-    return torch.cuda.Stream(device)
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
@@ -129,25 +113,14 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
         )
 
     # the quantized splits (the Gluon kernel's, or the Triton kernel's), then the ring's blocks, as two launches
-    # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement); under
-    # a CUDA graph's capture the ring's launch goes on a side stream, overlapping the quantized one (both only write
-    # their own splits), and the capture stream waits for it before the combine
-    side = _ring_stream(query.device) if gluon and rsplits and OVERLAP_RING and \
-        torch.cuda.is_current_stream_capturing() else None  # (gluon: a CUDA query)
-    if side is not None:
-        main = torch.cuda.current_stream(query.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            triton_splits(splits - rsplits, rsplits)
+    # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement)
     if gluon:
         kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
                              q_positions, scale, sliding_window, mid_o, mid_lse, splits - rsplits,
                              logits if with_logits else None)
     elif rsplits:
         triton_splits(0, splits - rsplits)
-    if side is not None:
-        main.wait_stream(side)
-    elif rsplits:
+    if rsplits:
         triton_splits(splits - rsplits, rsplits)
     else:
         triton_splits(0, splits)

@@ -186,8 +186,8 @@ if gluon is not None:
                            stride_qb, stride_qh, stride_qt, stride_ib, stride_ih, stride_pb, qk_scale, window,
                            num_queries, logits_span, KV_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            NUM_SPLITS: gl.constexpr, QSPLITS: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr,
-                           Q_SHARED: gl.constexpr, WRITE_LOGITS: gl.constexpr, DT: gl.constexpr,
-                           KEY_UNITS: gl.constexpr, PLIFT: gl.constexpr, UNLIFT: gl.constexpr,
+                           WRITE_LOGITS: gl.constexpr, DT: gl.constexpr, KEY_UNITS: gl.constexpr,
+                           PLIFT: gl.constexpr, UNLIFT: gl.constexpr,
                            U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
                            L0: gl.constexpr, L1: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
         """One program (one warp): the 8 query rows of one (sequence, kv head) over one split of its quantized
@@ -236,16 +236,6 @@ if gluon is not None:
         z1 = q1.to(DT)
         z2 = q2.to(DT)
         z3 = q3.to(DT)
-        if Q_SHARED:  # the eight B operands read from shared memory each group instead of held: 32 registers fewer
-            qsm = gl.allocate_shared_memory(DT, [8, C, R], flat2)
-            qsm.index(0).store(u0)
-            qsm.index(1).store(u1)
-            qsm.index(2).store(u2)
-            qsm.index(3).store(u3)
-            qsm.index(4).store(z0)
-            qsm.index(5).store(z1)
-            qsm.index(6).store(z2)
-            qsm.index(7).store(z3)
         mr = gl.arange(0, R, layout=gl.SliceLayout(0, mma))
         rok = mr < num_queries * GROUP
         qpos = gl.load(QPOS + b * stride_pb + mr // GROUP, mask=rok, other=-1).to(gl.int32)  # slots' dtype
@@ -291,15 +281,6 @@ if gluon is not None:
             s = gl.zeros([G, R], gl.float32, layout=mma)
             # two independent MMA chains (the zeros', the codes'), summed: 1.4 % (2 bits) to 7 % (4 bits) faster at
             # 128K x 4 than one chain of eight, four chains no faster (results/kivi_gluon_chains_sweep_h200.jsonl)
-            if Q_SHARED:
-                u0 = qsm.index(0).load(b_l)
-                u1 = qsm.index(1).load(b_l)
-                u2 = qsm.index(2).load(b_l)
-                u3 = qsm.index(3).load(b_l)
-                z0 = qsm.index(4).load(b_l)
-                z1 = qsm.index(5).load(b_l)
-                z2 = qsm.index(6).load(b_l)
-                z3 = qsm.index(7).load(b_l)
             sz = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
             sz = mma_v2(_zeros_a(kzm, C, zt), z1, sz)
             sz = mma_v2(_zeros_a(kzm, 2 * C, zt), z2, sz)
@@ -379,8 +360,7 @@ def launch_constants(bits: int, with_logits: bool, dtype: torch.dtype = torch.bf
     launch's."""
     shifts = [(32 * j // (128 * bits // 8)) * bits for j in range(4)]  # chunk j's bit offset in its bytes
     e, lq, lift = _UNITS[dtype]
-    return {"STAGES": KIVI_GLUON_CONFIG[bits]["stages"], "BITS": bits,
-            "Q_SHARED": KIVI_GLUON_CONFIG[bits].get("q_shared", False), "WRITE_LOGITS": with_logits,
+    return {"STAGES": KIVI_GLUON_CONFIG[bits]["stages"], "BITS": bits, "WRITE_LOGITS": with_logits,
             "DT": gl.bfloat16 if dtype == torch.bfloat16 else gl.float16, "KEY_UNITS": 2.0 ** (e - lq),
             "PLIFT": float(lift), "UNLIFT": 2.0 ** -lift,
             **{f"U{j}": 2.0 ** (lq - sh) for j, sh in enumerate(shifts)},
