@@ -1061,6 +1061,17 @@ print(json.dumps({'2': {k: r[k] for k in ('q_shared', 'stages', 'programs_per_sm
   KIVI_CFG="$best" timeout -s INT 150 python3 benchmarks/sessions/with_gluon_config.py benchmarks/kivi_bench.py \
     --stage points --points kivi2:131072x4 --out "$OUT/kivi_qshared_points_h200.jsonl" > "$OUT/kivi_qshared.log" 2>&1
   echo "q_shared rc=$?"; grep '"tok_s"' "$OUT/kivi_qshared_points_h200.jsonl" | cut -c1-200 ;;
+zero_blocks)  # #20 (2026-12-05 twenty-fifth session) the key zeros' logit terms once a block of 16 groups: the op A/B
+  # against the kernel before (.carry/kivi_gluon_before.py, carried), outputs expected bit-equal; kivi2 at 128K x 4
+  # through the engine; every KIVI GPU test (~7 min)
+  timeout -s INT 150 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --before .carry/kivi_gluon_before.py \
+    --points "${AB_POINTS:-32768x1,131072x4}" > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
+  echo "ab rc=$?"; tail -3 "$OUT/ab.err"; cut -c1-200 "$OUT/kivi_zero_blocks_ab_h200.jsonl"
+  timeout -s INT 120 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
+    --out "$OUT/kivi_zero_blocks_points_h200.jsonl" > "$OUT/kivi_zero_blocks_points.log" 2>&1
+  echo "step rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_zero_blocks_points_h200.jsonl"
+  timeout -s INT 250 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_zero_blocks_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_zero_blocks_h200.log" | tail -8 ;;
 ring_overlap_tests)  # #20 every KIVI GPU test with the ring's launch beside the Gluon kernel's (~6 min)
   timeout -s INT 400 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_24th_h200.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_24th_h200.log" | tail -8 ;;
