@@ -76,7 +76,7 @@ def test_gluon_kivi_kernel_compiles_for_sm90():
                          cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for usage in json.loads(run.stdout.strip().splitlines()[-1]):
-        # 2026-12-05 (ptxas of Triton 3.9): 158 registers at 2 bits (bf16 and fp16), 171 at 4 bits with logits, no
+        # 2026-12-05 (ptxas of Triton 3.9): 156 registers at 2 bits (bf16 and fp16), 173 at 4 bits with logits, no
         # stack. A spill, or more than 192 registers (10 one-warp programs an SM instead of 12), is a regression.
         assert usage["flushed"] == 0, usage
         assert "reg" not in usage or (usage["stack"] == 0 and usage["reg"] <= 192), usage

@@ -1,9 +1,10 @@
 """Session A/B (#20, 2026-12-05 twenty-fifth session): the package's KIVI decode op (captured in a CUDA graph) with
-the Gluon kernel before the key zeros' blocks (the module at ``--before``, a copy of ``kernels/kivi_gluon.py`` at
-commit ca45c06) and with them (the package's); interleaved before / after / before / after, each output against
-the torch reference ("err") and against the other arm's ("diff", expected 0: the same products in the same order).
+the package's Gluon kernel ("package") and with a variant module's (``--variant``: a ``kernels/kivi_gluon.py`` with
+absolute imports, e.g. the key zeros' blocks of ``kivi_zero_blocks.patch``, commit ab8cb9a); interleaved package /
+variant / package / variant, each output against the torch reference ("err") and against the other arm's ("diff",
+expected 0 for that variant: the same products in the same order).
 
-    python benchmarks/sessions/kivi_zero_blocks_ab.py --before .carry/kivi_gluon_before.py [--bits 2,4]
+    python benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py [--bits 2,4]
         [--points 32768x1,32768x16,131072x1,131072x4]   # JSON lines
 """
 
@@ -28,30 +29,30 @@ from sparsecompile.kernels.kivi_reference import kivi_decode_attention_reference
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the earlier kivi_gluon.py (absolute imports)")
+    parser.add_argument("--variant", required=True, help="a kivi_gluon.py variant (absolute imports)")
     parser.add_argument("--bits", default="2,4")
     parser.add_argument("--points", default="32768x1,32768x16,131072x1,131072x4", help="CONTEXTxBATCH,...")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("kivi_gluon_before", args.before)
-    before = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(before)
-    arms = {"before": before.kivi_gluon_quantized, "after": kivi_attention.kivi_gluon_quantized}
+    spec = importlib.util.spec_from_file_location("kivi_gluon_variant", args.variant)
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    arms = {"package": kivi_attention.kivi_gluon_quantized, "variant": variant.kivi_gluon_quantized}
     points = [tuple(int(v) for v in p.lower().split("x")) for p in args.points.split(",")]
     for bits in (int(b) for b in args.bits.split(",")):
         for context, batch in points:
             sets = decode_inputs(batch, context, bits, 3)
             want = kivi_decode_attention_reference(*sets[0]).float()
             outs = {}
-            for arm in ("before", "after", "before", "after"):
+            for arm in ("package", "variant", "package", "variant"):
                 kivi_attention.kivi_gluon_quantized = arms[arm]
                 outs[arm] = kivi_attention.kivi_decode_attention_triton(*sets[0]).float()
                 us = time_graph([lambda a=a: kivi_attention.kivi_decode_attention_triton(*a) for a in sets], 30) * 1e6
                 print(json.dumps({"bits": bits, "batch": batch, "context": context, "arm": arm, "us": us,
                                   "GBps": decode_bytes(batch, context, bits) / us / 1e3,
                                   "err": (outs[arm] - want).abs().max().item()}), flush=True)
-            kivi_attention.kivi_gluon_quantized = arms["after"]
+            kivi_attention.kivi_gluon_quantized = arms["package"]
             print(json.dumps({"bits": bits, "batch": batch, "context": context,
-                              "diff": (outs["after"] - outs["before"]).abs().max().item()}), flush=True)
+                              "diff": (outs["variant"] - outs["package"]).abs().max().item()}), flush=True)
             del want, sets, outs
             torch.cuda.empty_cache()
 

@@ -75,7 +75,10 @@
 # kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
 # off / on / off / on at 32K x 1 (the step 1.3 % slower with the side stream: 5.51 / 5.50 against 5.58 / 5.58 ms;
 # OVERLAP_RING removed, so ring_overlap and overlap_small run only at ce0c53f), vanilla / kivi2 at 128K x 4
-# without it (189.8 / 438.8 tok/s, 2.31x).
+# without it (189.8 / 438.8 tok/s, 2.31x). Then zero_blocks on an H100 (no H200 came; the key zeros' terms once a
+# block of 16 groups: bit-equal, 22 KIVI GPU tests passed, the op no faster there, where it reads at ~85 % of the
+# card's bandwidth; kept as kivi_zero_blocks.patch). Device budget spent. Next: zero_blocks on the H200 (the A/B,
+# then VARIANT_STEP=1 if faster); #18 if the two-GPU kind is lent.
 # 2026-12-05 twenty-third session: three failed starts, then an H100 (no H200 came): export_keys (every load hit),
 # the old gemv stage by mistake (a name clash: the new stage is gemv_triton), gemv_triton (a Triton GEMV against
 # cuBLAS: 0.99-1.12x, ~1 % of a decode step, not integrated), the failing export test alone (passed), export_keys
@@ -1061,12 +1064,18 @@ print(json.dumps({'2': {k: r[k] for k in ('q_shared', 'stages', 'programs_per_sm
   KIVI_CFG="$best" timeout -s INT 150 python3 benchmarks/sessions/with_gluon_config.py benchmarks/kivi_bench.py \
     --stage points --points kivi2:131072x4 --out "$OUT/kivi_qshared_points_h200.jsonl" > "$OUT/kivi_qshared.log" 2>&1
   echo "q_shared rc=$?"; grep '"tok_s"' "$OUT/kivi_qshared_points_h200.jsonl" | cut -c1-200 ;;
-zero_blocks)  # #20 (2026-12-05 twenty-fifth session) the key zeros' logit terms once a block of 16 groups: the op A/B
-  # against the kernel before (.carry/kivi_gluon_before.py, carried), outputs expected bit-equal; kivi2 at 128K x 4
-  # through the engine; every KIVI GPU test (~7 min)
-  timeout -s INT 150 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --before .carry/kivi_gluon_before.py \
+zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal, 22 KIVI GPU tests passed, no faster
+  # there, kivi_zero_blocks.patch) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
+  # against the package, then (VARIANT_STEP=1) kivi2 at 128K x 4 with the patch applied and every KIVI GPU test.
+  # Before the call, here (and carry .carry) (~3-7 min):
+  #   git show ab8cb9a:sparsecompile/kernels/kivi_gluon.py \
+  #     | sed -E 's/^from \.(kivi_quant|tiles)/from sparsecompile.kernels.\1/' > .carry/kivi_gluon_zero_blocks.py
+  [ -f .carry/kivi_gluon_zero_blocks.py ] || { echo "no .carry/kivi_gluon_zero_blocks.py"; exit 1; }
+  timeout -s INT 150 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
     --points "${AB_POINTS:-32768x1,131072x4}" > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
   echo "ab rc=$?"; tail -3 "$OUT/ab.err"; cut -c1-200 "$OUT/kivi_zero_blocks_ab_h200.jsonl"
+  [ -n "${VARIANT_STEP:-}" ] || exit 0
+  sed 's/^from sparsecompile\.kernels\./from ./' .carry/kivi_gluon_zero_blocks.py > sparsecompile/kernels/kivi_gluon.py
   timeout -s INT 120 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
     --out "$OUT/kivi_zero_blocks_points_h200.jsonl" > "$OUT/kivi_zero_blocks_points.log" 2>&1
   echo "step rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_zero_blocks_points_h200.jsonl"

@@ -13,16 +13,14 @@ layout the kernel names (one warp a program, no cross-warp reduction):
 * the missing factors go to the other operand: the keys' per-channel scales, ``4^-j`` and a lift of ``2^100`` into
   the query once a group (``q' = q * scale * 2^(100 - 2j)``), the values' per-slot scales into the probabilities
   (lifted by ``2^80``, :data:`P_LIFT`); the codes' logits come out in units of ``2^-33``, joined to the keys'
-  zeros' terms ``zero_g . q`` by one FMA; those come once a block of 16 groups, one MMA chain of the block's zeros
-  (rows = groups, a ``[16, D]`` buffer filled by ``cp.async`` a block ahead) against ``q``, each group then reading
-  its row (the same products as an MMA chain a group over its zeros broadcast along the tile's rows, which took 8
-  MMAs and 32 register moves a group: 452 -> 421 instructions a group at 2 bits offline, plus 134 a block); the
-  output's ``2^(53 - 2j)`` once at the end (bf16; fp16's units in :data:`_UNITS`); the values' zeros' shares
+  zeros' (one MMA of the broadcast zeros against ``q``) by one FMA; the output's ``2^(53 - 2j)`` once at the end
+  (bf16; fp16's units in :data:`_UNITS`); the values' zeros' shares
   ``sum_s p_s zero_s`` of the four chunks and the softmax sum ``sum_s p_s`` by one more MMA a group (an A tile of
   the group's value zeros and a row of ones against the bf16 probabilities; per-thread partials before: 205
-  registers and 707 instructions a group at 2 bits, then 156 and 492 (offline, Triton 3.9));
+  registers and 707 instructions a group at 2 bits, now 156 and 492 (offline, Triton 3.9), the keys' logits in two MMA
+  chains);
 * a ring of ``STAGES`` shared-memory buffers filled by ``cp.async``: group ``g + STAGES - 1``'s codes, scales,
-  value zeros and positions are in flight while group ``g`` computes; the page index is read a group ahead.
+  zeros and positions are in flight while group ``g`` computes; the page index is read a group ahead.
 
 It needs the pool's byte-major value groups and ``[D / G, P]`` value metadata (``kivi_quant.py``). The lists'
 quantized slots ``[0, quantized)`` are split over programs; each split's normalized output and natural log-sum-exp
@@ -94,17 +92,6 @@ if gluon is not None:
     _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-    @gluon.jit
-    def _rows_36(smem, layout: gl.constexpr):  # Triton 3.6 names it _reinterpret
-        return smem._reinterpret(smem.dtype, smem.shape, layout)
-
-    @gluon.jit
-    def _rows_39(smem, layout: gl.constexpr):
-        return smem.reinterpret(smem.dtype, smem.shape, layout)
-
-    #: ``[N, M]`` shared memory seen as N rows to index (a rank-1 layout over the trailing dimension)
-    _rows = _rows_39 if hasattr(gluon.language.shared_memory_descriptor, "reinterpret") else _rows_36
-
     # bytes 0, 1 and 2, 3 of a word into the low bytes of two words' 16-bit halves, then one mask a plane
     _PLANES = gl.constexpr(
         "{ .reg .b32 a, b, z; mov.b32 z, 0; prmt.b32 a, $8, z, 0x4140; prmt.b32 b, $8, z, 0x4342;"
@@ -143,7 +130,7 @@ if gluon is not None:
         return c0, c1, c2, c3
 
     @gluon.jit
-    def _issue(KC, KS, VC, VS, VZ, POS, kcs, kss, vcs, vss, vzs, pss, page, h, ok, KV_HEADS: gl.constexpr,
+    def _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs, kss, kzs, vcs, vss, vzs, pss, page, h, ok, KV_HEADS: gl.constexpr,
                B: gl.constexpr):
         """cp.async of one page (one key group) into one ring stage, then commit."""
         G: gl.constexpr = 32
@@ -161,6 +148,7 @@ if gluon is not None:
         _copy(vcs, VC + base * (B * G) + (vr * G)[:, None] + vs[None, :], mask=ok)  # [bytes, slots] byte-major
         d = gl.arange(0, D, layout=t4)
         _copy(kss, KS + base * D + d, mask=ok)
+        _copy(kzs, KZ + base * D + d, mask=ok)
         _copy(vss, VS + base * D + d, mask=ok)  # [D / G, G]
         tz: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])  # [D / G, G], 8 bytes a copy
         zr = gl.arange(0, D // G, layout=gl.SliceLayout(1, tz))
@@ -170,29 +158,11 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _issue_zeros(KZ, kzb, pages, start, last, h, KV_HEADS: gl.constexpr):
-        """cp.async of the key zeros of groups ``start .. start + ZB - 1`` (those before ``last``) into the block's
-        ``[ZB, D]`` buffer, in the commit of the ring stage issued next."""
-        ZB: gl.constexpr = 16
-        D: gl.constexpr = 128
-        tz: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [ZB, D], 16 bytes a copy
-        grp = start + gl.arange(0, ZB, layout=gl.SliceLayout(1, tz))
-        page = gl.load(pages + gl.minimum(grp, gl.maximum(last - 1, 0))).to(gl.int64)
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, tz))
-        ok = (grp[:, None] + d[None, :] * 0) < last
-        _copy(kzb, KZ + ((page * KV_HEADS + h) * D)[:, None] + d[None, :], mask=ok)
-
-    @gluon.jit
-    def _block_zeros(kzb, zsm, z0, z1, z2, z3, a_l: gl.constexpr, mma: gl.constexpr):
-        """The key zeros' logit terms ``zero_g . q`` of a block's ``ZB`` groups (``[ZB, R]``, one MMA chain of the
-        four chunks, as one group's broadcast tile gave them) into ``zsm``, visible to every lane."""
-        acc = gl.zeros([16, 8], gl.float32, layout=mma)
-        acc = mma_v2(kzb.slice(0, 32, dim=1).load(a_l), z0, acc)
-        acc = mma_v2(kzb.slice(32, 32, dim=1).load(a_l), z1, acc)
-        acc = mma_v2(kzb.slice(64, 32, dim=1).load(a_l), z2, acc)
-        acc = mma_v2(kzb.slice(96, 32, dim=1).load(a_l), z3, acc)
-        zsm.store(acc)
-        _barrier()
+    def _zeros_a(kzm, start: gl.constexpr, zt):
+        """A chunk's key zeros from the stage, broadcast over the A tile's rows."""
+        z = kzm.slice(start, 32).load(gl.SliceLayout(0, zt.type.layout))
+        zz, _ = gl.broadcast(z[None, :], zt)
+        return zz
 
     @gluon.jit
     def _values(acc, codes, pb, vm):
@@ -239,11 +209,7 @@ if gluon is not None:
         kcs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, B], flat2)
         vcs = gl.allocate_shared_memory(gl.uint8, [STAGES, B, G], flat2)
         kss = gl.allocate_shared_memory(DT, [STAGES, D], flat1)
-        # the key zeros' logit terms come once a block of ZB groups (one MMA chain of their zeros against q, rows =
-        # groups) instead of an MMA chain a group over the zeros broadcast along the tile's rows
-        ZB: gl.constexpr = 16
-        kzb = gl.allocate_shared_memory(DT, [ZB, D], flat2)
-        zsm = gl.allocate_shared_memory(gl.float32, [ZB, R], flat2)
+        kzs = gl.allocate_shared_memory(DT, [STAGES, D], flat1)
         vss = gl.allocate_shared_memory(DT, [STAGES, D], flat1)
         # the values' zeros [D / G, G] as rows 0..3 of an A tile whose row 4 is ones: one MMA a group gives every
         # chunk's zero share sum_s p_s zero_s and the softmax sum
@@ -283,6 +249,7 @@ if gluon is not None:
         o1 = gl.zeros([C, R], gl.float32, layout=mma)
         o2 = gl.zeros([C, R], gl.float32, layout=mma)
         o3 = gl.zeros([C, R], gl.float32, layout=mma)
+        zt = gl.zeros([G, C], DT, layout=a_l)
         tone: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
         ones = gl.where(gl.arange(0, 4, layout=gl.SliceLayout(1, tone))[:, None] == 0,
                         gl.full([4, G], 1.0, DT, tone), gl.zeros([4, G], DT, tone))
@@ -294,10 +261,9 @@ if gluon is not None:
         first = split * per
         last = gl.minimum(first + per, n_groups)
         pages = INDEX + b * stride_ib + h * stride_ih
-        _issue_zeros(KZ, kzb, pages, first, last, h, KV_HEADS)  # the first block's, in the first commit
         for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 groups' copies
             page = gl.load(pages + gl.minimum(first + i, gl.maximum(last - 1, 0))).to(gl.int64)
-            _issue(KC, KS, VC, VS, VZ, POS, kcs.index(i), kss.index(i), vcs.index(i),
+            _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(i), kss.index(i), kzs.index(i), vcs.index(i),
                    vss.index(i), vzs.index(i), pss.index(i), page, h, first + i < last, KV_HEADS, B)
         ahead = gl.load(pages + gl.minimum(first + STAGES - 1, gl.maximum(last - 1, 0))).to(gl.int64)
         st = 0  # the stage of group grp; ns: the one refilled (group grp - 1's), carried instead of two modulos
@@ -306,26 +272,26 @@ if gluon is not None:
             async_copy.wait_group(STAGES - 2)  # this group's copies landed (this thread's) ...
             _barrier()  # ... and every lane's; every lane is done with the stage refilled next
             nxt = grp + STAGES - 1
-            j = (grp - first) % ZB
-            if j == 0:  # a block's first group: its zero terms (its zeros' copies committed 15 groups ago or in the
-                # prologue, so landed: the wait above leaves only the last STAGES - 2 commits in flight)
-                _block_zeros(kzb, zsm, z0, z1, z2, z3, a_l, mma)
-            if j == 1:  # the next block's zeros, past the barrier after which no lane reads this block's
-                _issue_zeros(KZ, kzb, pages, grp - 1 + ZB, last, h, KV_HEADS)
-            _issue(KC, KS, VC, VS, VZ, POS, kcs.index(ns), kss.index(ns), vcs.index(ns),
+            _issue(KC, KS, KZ, VC, VS, VZ, POS, kcs.index(ns), kss.index(ns), kzs.index(ns), vcs.index(ns),
                    vss.index(ns), vzs.index(ns), pss.index(ns), ahead, h, nxt < last, KV_HEADS, B)
             ahead = gl.load(pages + gl.minimum(nxt + 1, last - 1)).to(gl.int64)  # the page a group ahead
             ksm = kss.index(st)
+            kzm = kzs.index(st)
             k0, k1, k2, k3 = _chunks(kcs.index(st), BITS, 1, a_l, DT)
             s = gl.zeros([G, R], gl.float32, layout=mma)
-            sz = _rows(zsm, flat1).index(j).load(gl.SliceLayout(0, mma))  # this group's zero terms
+            # two independent MMA chains (the zeros', the codes'), summed: 1.4 % (2 bits) to 7 % (4 bits) faster at
+            # 128K x 4 than one chain of eight, four chains no faster (results/kivi_gluon_chains_sweep_h200.jsonl)
+            sz = mma_v2(_zeros_a(kzm, 0, zt), z0, s)
+            sz = mma_v2(_zeros_a(kzm, C, zt), z1, sz)
+            sz = mma_v2(_zeros_a(kzm, 2 * C, zt), z2, sz)
+            sz = mma_v2(_zeros_a(kzm, 3 * C, zt), z3, sz)
             sc = mma_v2(k0, u0 * ksm.slice(0, C).load(gl.SliceLayout(1, b_l))[:, None], s)
             sc = mma_v2(k1, u1 * ksm.slice(C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
             sc = mma_v2(k2, u2 * ksm.slice(2 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
             sc = mma_v2(k3, u3 * ksm.slice(3 * C, C).load(gl.SliceLayout(1, b_l))[:, None], sc)
             kpos = pss.index(st).load(gl.SliceLayout(1, mma))
             vis = (kpos[:, None] > qlo[None, :]) & (kpos[:, None] <= qpos[None, :])
-            s = gl.where(vis, sc * KEY_UNITS + sz[None, :], float("-inf"))  # base-2 logits (one FMA from the codes)
+            s = gl.where(vis, sc * KEY_UNITS + sz, float("-inf"))  # base-2 logits (one FMA from the codes' units)
             if WRITE_LOGITS:  # natural units; a page is one group, so the list's slots grp * G ..
                 gl.store(LOGITS + lrow[None, :] + (grp * G + lslot)[:, None], s * 0.6931471805599453,
                          mask=rok[None, :])
