@@ -1016,7 +1016,7 @@ export_keys)  # (run 2026-12-05 twenty-third session on an H100: every load hit;
   # three loads (fresh, default KV memory; fresh, 1 GiB; in process), then the components that differ (~5 min)
   timeout -s INT "${KEYS_TIMEOUT:-540}" python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" --before "${BEFORE:-none}" > "$OUT/export_keys.log" 2>&1
   echo "rc=$?"; grep -v "^W1205\|warn\|Dim.STATIC" "$OUT/export_keys.log" | tail -40 | cut -c1-400 ;;
-ring_overlap)  # (ran; OVERLAP_RING exists at ce0c53f only) #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
+ring_overlap)  # (ran; OVERLAP_RING and kivi_ring_overlap.py exist at ce0c53f only) #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
   # kernel under a capture (OVERLAP_RING): the op A/B at the four points (kivi_ring_overlap.py), then vanilla / kivi2 /
   # snapkv+kivi at 128K x 4 through the engine, then kivi2 again with OVERLAP_RING = False (~9.5 min)
   timeout -s INT 150 python3 benchmarks/sessions/kivi_ring_overlap.py ${OVERLAP_POINTS:+--points "$OVERLAP_POINTS"} \
