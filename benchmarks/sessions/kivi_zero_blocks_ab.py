@@ -1,8 +1,8 @@
 """Session A/B (#20, 2026-12-05 twenty-fifth session): the package's KIVI decode op (captured in a CUDA graph) with
 the package's Gluon kernel ("package") and with a variant module's (``--variant``: a ``kernels/kivi_gluon.py`` with
-absolute imports, e.g. the key zeros' blocks of ``kivi_zero_blocks.patch``, commit ab8cb9a); interleaved package /
-variant / package / variant, each output against the torch reference ("err") and against the other arm's ("diff",
-expected 0 for that variant: the same products in the same order).
+absolute imports, e.g. the key zeros' blocks of ``kivi_zero_blocks.patch`` as next.sh's zero_blocks builds it);
+interleaved package / variant / package / variant, each output against the torch reference ("err") and against the
+other arm's ("diff", expected 0 for that variant: the same products in the same order).
 
     python benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py [--bits 2,4]
         [--points 32768x1,32768x16,131072x1,131072x4]   # JSON lines

@@ -1068,8 +1068,9 @@ zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal,
   # there, kivi_zero_blocks.patch) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
   # against the package, then (VARIANT_STEP=1) kivi2 at 128K x 4 with the patch applied and every KIVI GPU test.
   # Before the call, here (and carry .carry) (~3-7 min):
-  #   git show ab8cb9a:sparsecompile/kernels/kivi_gluon.py \
-  #     | sed -E 's/^from \.(kivi_quant|tiles)/from sparsecompile.kernels.\1/' > .carry/kivi_gluon_zero_blocks.py
+  #   git apply benchmarks/sessions/kivi_zero_blocks.patch && sed -E 's/^from \.(kivi_quant|tiles)/from \
+  #     sparsecompile.kernels.\1/' sparsecompile/kernels/kivi_gluon.py > .carry/kivi_gluon_zero_blocks.py \
+  #     && git checkout sparsecompile/kernels/kivi_gluon.py      (the sed expression on one line)
   [ -f .carry/kivi_gluon_zero_blocks.py ] || { echo "no .carry/kivi_gluon_zero_blocks.py"; exit 1; }
   timeout -s INT 150 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
     --points "${AB_POINTS:-32768x1,131072x4}" > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
