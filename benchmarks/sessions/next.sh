@@ -1016,7 +1016,8 @@ export_keys)  # (run 2026-12-05 twenty-third session on an H100: every load hit;
   # three loads (fresh, default KV memory; fresh, 1 GiB; in process), then the components that differ (~5 min)
   timeout -s INT "${KEYS_TIMEOUT:-540}" python3 benchmarks/sessions/export_cache_keys.py --out "$OUT" --before "${BEFORE:-none}" > "$OUT/export_keys.log" 2>&1
   echo "rc=$?"; grep -v "^W1205\|warn\|Dim.STATIC" "$OUT/export_keys.log" | tail -40 | cut -c1-400 ;;
-ring_overlap)  # (ran; OVERLAP_RING and kivi_ring_overlap.py exist at ce0c53f only) #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
+ring_overlap)  # (ran; OVERLAP_RING and kivi_ring_overlap.py exist at ce0c53f only)
+  # #20 (2026-12-05 twenty-fourth session) the residual ring's launch on a side stream beside the Gluon
   # kernel under a capture (OVERLAP_RING): the op A/B at the four points (kivi_ring_overlap.py), then vanilla / kivi2 /
   # snapkv+kivi at 128K x 4 through the engine, then kivi2 again with OVERLAP_RING = False (~9.5 min)
   timeout -s INT 150 python3 benchmarks/sessions/kivi_ring_overlap.py ${OVERLAP_POINTS:+--points "$OVERLAP_POINTS"} \
@@ -1031,7 +1032,8 @@ ring_overlap)  # (ran; OVERLAP_RING and kivi_ring_overlap.py exist at ce0c53f on
     --out "$OUT/kivi_overlap_off_points_h200.jsonl" > "$OUT/kivi_overlap_off.log" 2>&1
   echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_off_points_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
-overlap_small)  # (ran 2026-12-05 twenty-fifth session; OVERLAP_RING exists at ce0c53f only) #20 the kivi2 step at the single-sequence points, where the
+overlap_small)  # (ran 2026-12-05 twenty-fifth session; OVERLAP_RING exists at ce0c53f only)
+  # #20 the kivi2 step at the single-sequence points, where the
   # op gains most from OVERLAP_RING (3-4 us a layer on the H200): on, then off in the next process (~5 min)
   timeout -s INT 200 python3 benchmarks/kivi_bench.py --stage points --points kivi2:32768x1,kivi2:131072x1 \
     --out "$OUT/kivi_overlap_small_h200.jsonl" > "$OUT/kivi_overlap_small.log" 2>&1
@@ -1041,7 +1043,8 @@ overlap_small)  # (ran 2026-12-05 twenty-fifth session; OVERLAP_RING exists at c
     --out "$OUT/kivi_overlap_small_off_h200.jsonl" > "$OUT/kivi_overlap_small_off.log" 2>&1
   echo "off rc=$?"; grep '"tok_s"' "$OUT/kivi_overlap_small_off_h200.jsonl" | cut -c1-200
   sed -i 's/^OVERLAP_RING = False/OVERLAP_RING = True/' sparsecompile/kernels/kivi_attention.py ;;
-qshared)  # (ran; the kernel switch is in kivi_q_shared.patch) #20 (2026-12-05 twenty-fifth session) the Gluon kernel's query operands in shared memory (q_shared: 156 ->
+qshared)  # (ran; the kernel switch is in kivi_q_shared.patch: apply it first)
+  # #20 (2026-12-05 twenty-fifth session) the Gluon kernel's query operands in shared memory (q_shared: 156 ->
   # 122 / 126 registers at 2 bits offline): the op sweep (q_shared x stages x programs an SM, outputs bit-equal), then
   # kivi2 at 128K x 4 through the engine with the package's configuration and with the sweep's fastest q_shared one
   # at that point (~8 min)

@@ -1,6 +1,6 @@
 """Session helper (#20): run a script with the Gluon KIVI kernel's launch configuration overridden in-process.
 
-    KIVI_CFG='{"2": {"q_shared": true, "stages": 2, "programs_per_sm": 16}}' \
+    KIVI_CFG='{"2": {"stages": 2, "programs_per_sm": 16}}' \
         python benchmarks/sessions/with_gluon_config.py benchmarks/kivi_bench.py --stage points ...
 """
 
