@@ -16,7 +16,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -249,27 +249,24 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
                 return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                           usage=usage, chain_id=body.chain_id)
 
-            deltas, offsets, started = _Deltas(), {}, set()
-            async for output in _guarded(outputs):
-                if isinstance(output, str):
-                    yield output
+            offsets, started = {}, set()
+
+            def events(output: RequestOutput, c: CompletionOutput, ids: list[int], steps: list,
+                       reason: str | None) -> Iterator[str]:
+                text = c.delta_text
+                if body.echo and c.index not in started:  # the prompt opens each choice's stream
+                    prompt, prompt_steps = echoed(output)
+                    text, ids, steps = echo + text, prompt + ids, prompt_steps + steps
+                started.add(c.index)
+                if not (text or reason or (body.logprobs is not None and ids)):
                     return
-                for c in output.outputs:
-                    ids, steps, reason = deltas(c)
-                    text = c.delta_text
-                    if body.echo and c.index not in started:  # the prompt opens each choice's stream
-                        prompt, prompt_steps = echoed(output)
-                        text, ids, steps = echo + text, prompt + ids, prompt_steps + steps
-                    started.add(c.index)
-                    if not (text or reason or (body.logprobs is not None and ids)):
-                        continue
-                    item = choice(output, c, text, ids, steps, reason, offsets.get(c.index, 0))
-                    if item.logprobs is not None and item.logprobs.tokens:
-                        offsets[c.index] = item.logprobs.text_offset[-1] + len(item.logprobs.tokens[-1])
-                    yield _sse(chunk([item]))
-                if output.finished and body.include_usage:
-                    yield _sse(chunk([], deltas.usage(output)))
-            yield "data: [DONE]\n\n"
+                item = choice(output, c, text, ids, steps, reason, offsets.get(c.index, 0))
+                if item.logprobs is not None and item.logprobs.tokens:
+                    offsets[c.index] = item.logprobs.text_offset[-1] + len(item.logprobs.tokens[-1])
+                yield _sse(chunk([item]))
+
+            async for event in _sse_events(outputs, events, chunk if body.include_usage else None):
+                yield event
 
         def build(final: RequestOutput) -> CompletionResponse:
             prompt_lp = prompt_logprobs_field(final.prompt_logprobs) if body.prompt_logprobs is not None else None
@@ -300,24 +297,19 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
                 return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
                                            usage=usage, chain_id=body.chain_id)
 
+            def events(output: RequestOutput, c: CompletionOutput, ids: list[int], steps: list,
+                       reason: str | None) -> Iterator[str]:
+                if c.delta_text or (body.logprobs and ids):
+                    yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
+                                                      logprobs=logprobs(ids, steps))]))
+                if reason is not None:
+                    yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
+                                                      stop_reason=c.stop_reason)]))
+
             for index in range(params.n):
                 yield _sse(chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
-            deltas = _Deltas()
-            async for output in _guarded(outputs):
-                if isinstance(output, str):
-                    yield output
-                    return
-                for c in output.outputs:
-                    ids, steps, reason = deltas(c)
-                    if c.delta_text or (body.logprobs and ids):
-                        yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
-                                                          logprobs=logprobs(ids, steps))]))
-                    if reason is not None:
-                        yield _sse(chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
-                                                          stop_reason=c.stop_reason)]))
-                if output.finished and body.include_usage:
-                    yield _sse(chunk([], deltas.usage(output)))
-            yield "data: [DONE]\n\n"
+            async for event in _sse_events(outputs, events, chunk if body.include_usage else None):
+                yield event
 
         def build(final: RequestOutput) -> ChatCompletionResponse:
             choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
@@ -332,6 +324,25 @@ def create_app(engine: Engine, served_model_name: str | None = None, config: Ser
 
     add_prune_routes(app, bridge)  # interval pruning of idle state (prune_routes.py)
     return app
+
+
+async def _sse_events(outputs: RequestStream,
+                      events: Callable[[RequestOutput, CompletionOutput, list[int], list, str | None], Iterator[str]],
+                      usage_chunk: Callable[[list, UsageInfo], Any] | None) -> AsyncIterator[str]:
+    """A streamed request's SSE events: per output and choice, ``events(output, choice, new token ids, their
+    logprob steps, the finish reason if it is news)``; after the last output the usage chunk (``usage_chunk([],
+    usage)``, if asked for); then ``data: [DONE]``. An engine failure mid-stream ends it with one error event."""
+    deltas = _Deltas()
+    async for output in _guarded(outputs):
+        if isinstance(output, str):
+            yield output
+            return
+        for c in output.outputs:
+            for event in events(output, c, *deltas(c)):
+                yield event
+        if output.finished and usage_chunk is not None:
+            yield _sse(usage_chunk([], deltas.usage(output)))
+    yield "data: [DONE]\n\n"
 
 
 async def _guarded(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
