@@ -1078,6 +1078,9 @@ zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal,
   timeout -s INT 150 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
     --points "${AB_POINTS:-32768x1,131072x4}" > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
   echo "ab rc=$?"; tail -3 "$OUT/ab.err"; cut -c1-200 "$OUT/kivi_zero_blocks_ab_h200.jsonl"
+  timeout -s INT 60 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
+    --bits 4 --points 131072x4 --variant-config '{"4": {"stages": 3}}' >> "$OUT/kivi_zero_blocks_ab_h200.jsonl" \
+    2>> "$OUT/ab.err"; echo "4-bit 3 stages rc=$?"; tail -5 "$OUT/kivi_zero_blocks_ab_h200.jsonl" | cut -c1-200
   [ -n "${VARIANT_STEP:-}" ] || exit 0
   sed 's/^from sparsecompile\.kernels\./from ./' .carry/kivi_gluon_zero_blocks.py > sparsecompile/kernels/kivi_gluon.py
   timeout -s INT 120 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
