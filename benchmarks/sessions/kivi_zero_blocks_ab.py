@@ -42,7 +42,6 @@ def main() -> None:
     spec.loader.exec_module(variant)
     for bits, cfg in json.loads(args.variant_config).items():
         variant.KIVI_GLUON_CONFIG[int(bits)].update(cfg)
-    arms = {"package": kivi_attention.kivi_gluon_quantized, "variant": variant.kivi_gluon_quantized}
     modules = {"package": kivi_gluon, "variant": variant}
     points = [tuple(int(v) for v in p.lower().split("x")) for p in args.points.split(",")]
     for bits in (int(b) for b in args.bits.split(",")):
@@ -51,14 +50,14 @@ def main() -> None:
             want = kivi_decode_attention_reference(*sets[0]).float()
             outs = {}
             for arm in ("package", "variant", "package", "variant"):
-                kivi_attention.kivi_gluon_quantized = arms[arm]
+                kivi_attention.kivi_gluon_quantized = modules[arm].kivi_gluon_quantized
                 outs[arm] = kivi_attention.kivi_decode_attention_triton(*sets[0]).float()
                 us = time_graph([lambda a=a: kivi_attention.kivi_decode_attention_triton(*a) for a in sets], 30) * 1e6
                 print(json.dumps({"bits": bits, "batch": batch, "context": context, "arm": arm, "us": us,
                                   "stages": modules[arm].KIVI_GLUON_CONFIG[bits]["stages"],
                                   "GBps": decode_bytes(batch, context, bits) / us / 1e3,
                                   "err": (outs[arm] - want).abs().max().item()}), flush=True)
-            kivi_attention.kivi_gluon_quantized = arms["package"]
+            kivi_attention.kivi_gluon_quantized = kivi_gluon.kivi_gluon_quantized
             print(json.dumps({"bits": bits, "batch": batch, "context": context,
                               "diff": (outs["variant"] - outs["package"]).abs().max().item()}), flush=True)
             del want, sets, outs

@@ -46,10 +46,20 @@ def test_quantize_triton_equals_reference(bits, scale_dtype):
         assert torch.equal(a, b)
 
 
-def _decode_args(bits: int, context: int, batch: int, scale_dtype: torch.dtype, window: int) -> tuple:
-    """The KIVI decode op's inputs at ``context x batch``: quantized pages of random keys (a per-channel offset)
-    and values, holes in each first page, a 160-slot residual ring, one bf16 query a sequence."""
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
+@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
+def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
+    """bf16 scales: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
+    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
+    the first page are skipped."""
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_gluon import gluon_supported
     from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
+    from sparsecompile.kernels.kivi_reference import (
+        kivi_decode_attention_logits_reference,
+        kivi_decode_attention_reference,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(context + bits)
     per_seq = -(-context // PAGE)
@@ -76,25 +86,6 @@ def _decode_args(bits: int, context: int, batch: int, scale_dtype: torch.dtype, 
     args = (query, *pages, pos, ring_k, ring_v, torch.arange(batch, device="cuda"), index, lengths,
             torch.full((batch,), quant, device="cuda"), torch.full((batch, 1), context, device="cuda"),
             DIM ** -0.5, window)
-    return args
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
-@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
-def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
-    """bf16 scales: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
-    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
-    the first page are skipped."""
-    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
-    from sparsecompile.kernels.kivi_gluon import gluon_supported
-    from sparsecompile.kernels.kivi_reference import (
-        kivi_decode_attention_logits_reference,
-        kivi_decode_attention_reference,
-    )
-
-    args = _decode_args(bits, context, batch, scale_dtype, window)
-    query = args[0]
     want = kivi_decode_attention_reference(*args)
     gluon = gluon_supported(query, bits, 32, DIM, PAGE, GROUP_Q, scale_dtype)
     assert gluon == (scale_dtype == torch.bfloat16 and torch.cuda.get_device_capability() == (9, 0))
