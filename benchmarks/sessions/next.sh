@@ -1067,6 +1067,53 @@ print(json.dumps({'2': {k: r[k] for k in ('q_shared', 'stages', 'programs_per_sm
   KIVI_CFG="$best" timeout -s INT 150 python3 benchmarks/sessions/with_gluon_config.py benchmarks/kivi_bench.py \
     --stage points --points kivi2:131072x4 --out "$OUT/kivi_qshared_points_h200.jsonl" > "$OUT/kivi_qshared.log" 2>&1
   echo "q_shared rc=$?"; grep '"tok_s"' "$OUT/kivi_qshared_points_h200.jsonl" | cut -c1-200 ;;
+ring_combine)  # #20 (2026-12-05 twenty-sixth session; ran on an H100, slower: kivi_ring_combine.patch applied on 02ada93) the residual ring's attention and the combine in one kernel
+  # (kernels/kivi_residual.py) against the package before it (.carry/base/sparsecompile: `git archive 02ada93
+  # sparsecompile | tar -x -C .carry/base`): the op interleaved base / new / base / new (kernel times, error against
+  # the reference; the new arm's first run sweeps the ring kernel's launch), then every KIVI GPU test (~8 min)
+  [ -d .carry/base/sparsecompile ] || { echo "no .carry/base/sparsecompile"; exit 1; }
+  RC='[{"block_r": 32, "num_warps": 4}, {"block_r": 32, "num_warps": 8}, {"block_r": 128, "num_warps": 8}]'
+  for arm in base new base new; do
+    if [ $arm = base ]; then root=$PWD/.carry/base; sweep='[]'; t=70; else root=$PWD; sweep=$RC; RC='[]'; t=$((t + 40)); fi
+    PYTHONPATH=$root timeout -s INT $t python3 benchmarks/sessions/kivi_ring_combine_ab.py --arm $arm --bits 2 \
+      --points "${AB_POINTS:-32768x1,131072x4,32768x16,2080x64}" --ring-configs "$sweep" \
+      >> "$OUT/kivi_ring_combine_ab_h200.jsonl" 2>> "$OUT/ab.err"
+    echo "op $arm rc=$?"
+  done
+  tail -3 "$OUT/ab.err"; cut -c1-230 "$OUT/kivi_ring_combine_ab_h200.jsonl"
+  timeout -s INT 230 $P tests/gpu/test_kivi_cuda.py > "$OUT/gpu_tests_kivi_26th_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_26th_h200.log" | tail -8 ;;
+ring_combine_step)  # #20 the step with the ring-and-combine kernel: vanilla and kivi2 at 128K x 4, then kivi2
+  # base / new / base / new (base as in ring_combine), each its own process (~7 min)
+  timeout -s INT 100 python3 benchmarks/kivi_bench.py --stage points --points vanilla:131072x4 \
+    --out "$OUT/kivi_ring_combine_vanilla_h200.jsonl" > "$OUT/step_vanilla.log" 2>&1
+  echo "vanilla rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_ring_combine_vanilla_h200.jsonl"
+  i=0
+  for arm in base new base new; do
+    i=$((i + 1)); [ $arm = base ] && root=$PWD/.carry/base || root=$PWD
+    PYTHONPATH=$root timeout -s INT 75 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
+      --out "$OUT/kivi_ring_combine_step_${i}_${arm}_h200.jsonl" > "$OUT/step_$i.log" 2>&1
+    echo "kivi2 $arm rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_ring_combine_step_${i}_${arm}_h200.jsonl"
+  done ;;
+zero_blocks_step)  # #20 (2026-12-05 twenty-sixth session) on the H200 (vanilla at 128K x 4 needs 79.7 GiB): the
+  # zero blocks' op A/B (as zero_blocks), vanilla + kivi2 at 128K x 4 in one process, then kivi2 with the zero blocks
+  # (.carry/zb/sparsecompile: `git archive HEAD sparsecompile | tar -x -C .carry/zb`, the patch applied there) /
+  # the package / the zero blocks, each its own process (~9 min)
+  [ -d .carry/zb/sparsecompile ] || { echo "no .carry/zb/sparsecompile"; exit 1; }
+  timeout -s INT 130 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
+    --points 32768x1,131072x4 > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
+  echo "ab rc=$?"; tail -2 "$OUT/ab.err"; cut -c1-170 "$OUT/kivi_zero_blocks_ab_h200.jsonl"
+  timeout -s INT 130 python3 benchmarks/kivi_bench.py --stage points --points vanilla:131072x4,kivi2:131072x4 \
+    --out "$OUT/kivi_points_26th_h200.jsonl" > "$OUT/points.log" 2>&1
+  echo "points rc=$?"; grep -o '"method": "[a-z0-9+]*".*"tok_s": [0-9.]*, "step_ms": [0-9.]*' \
+    "$OUT/kivi_points_26th_h200.jsonl" | sed 's/"context.*"tok_s"/ "tok_s"/'
+  i=0
+  for arm in zb package zb; do
+    i=$((i + 1)); [ $arm = zb ] && root=$PWD/.carry/zb || root=$PWD
+    PYTHONPATH=$root timeout -s INT 70 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
+      --out "$OUT/kivi_zero_blocks_step_${i}_${arm}_h200.jsonl" > "$OUT/step_$i.log" 2>&1
+    echo "kivi2 $arm rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_zero_blocks_step_${i}_${arm}_h200.jsonl"
+  done ;;
 zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal, 22 KIVI GPU tests passed, no faster
   # there, kivi_zero_blocks.patch) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
   # against the package, then (VARIANT_STEP=1) kivi2 at 128K x 4 with the patch applied and every KIVI GPU test.
