@@ -1100,8 +1100,8 @@ zero_blocks_step)  # #20 (2026-12-05 twenty-sixth session) on the H200 (vanilla 
   # (.carry/zb/sparsecompile: `git archive HEAD sparsecompile | tar -x -C .carry/zb`, the patch applied there) /
   # the package / the zero blocks, each its own process (~9 min)
   [ -d .carry/zb/sparsecompile ] || { echo "no .carry/zb/sparsecompile"; exit 1; }
-  timeout -s INT 130 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
-    --points 32768x1,131072x4 > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
+  timeout -s INT 90 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py \
+    --bits "${AB_BITS:-2}" --points 32768x1,131072x4 > "$OUT/kivi_zero_blocks_ab_h200.jsonl" 2> "$OUT/ab.err"
   echo "ab rc=$?"; tail -2 "$OUT/ab.err"; cut -c1-170 "$OUT/kivi_zero_blocks_ab_h200.jsonl"
   timeout -s INT 130 python3 benchmarks/kivi_bench.py --stage points --points vanilla:131072x4,kivi2:131072x4 \
     --out "$OUT/kivi_points_26th_h200.jsonl" > "$OUT/points.log" 2>&1
@@ -1109,11 +1109,25 @@ zero_blocks_step)  # #20 (2026-12-05 twenty-sixth session) on the H200 (vanilla 
     "$OUT/kivi_points_26th_h200.jsonl" | sed 's/"context.*"tok_s"/ "tok_s"/'
   i=0
   for arm in zb package zb; do
-    i=$((i + 1)); [ $arm = zb ] && root=$PWD/.carry/zb || root=$PWD
-    PYTHONPATH=$root timeout -s INT 70 python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
+    i=$((i + 1)); if [ $arm = zb ]; then root=$PWD/.carry/zb; t=110; else root=$PWD; t=80; fi  # zb: maybe cold
+    PYTHONPATH=$root timeout -s INT $t python3 benchmarks/kivi_bench.py --stage points --points kivi2:131072x4 \
       --out "$OUT/kivi_zero_blocks_step_${i}_${arm}_h200.jsonl" > "$OUT/step_$i.log" 2>&1
     echo "kivi2 $arm rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_zero_blocks_step_${i}_${arm}_h200.jsonl"
   done ;;
+pdl_step)  # #20 (2026-12-05 twenty-sixth session) inductor's programmatic dependent launch (TORCHINDUCTOR_ENABLE_PDL=1:
+  # each compiled Triton kernel's launch overlaps its predecessor's tail; vLLM turns it on under full CUDA graphs)
+  # on the decode step: kivi2 at 128K x 4 on / off / on (the first "on" compiles cold: the switch is in inductor's
+  # cache key), then vanilla on (against zero_blocks_step's vanilla off) (~8 min)
+  i=0
+  for arm in on off on; do
+    i=$((i + 1)); if [ $arm = on ]; then pdl=1; t=$((i == 1 ? 150 : 80)); else pdl=0; t=80; fi
+    TORCHINDUCTOR_ENABLE_PDL=$pdl timeout -s INT $t python3 benchmarks/kivi_bench.py --stage points \
+      --points kivi2:131072x4 --out "$OUT/kivi_pdl_step_${i}_${arm}_h200.jsonl" > "$OUT/pdl_$i.log" 2>&1
+    echo "kivi2 pdl $arm rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_pdl_step_${i}_${arm}_h200.jsonl"
+  done
+  TORCHINDUCTOR_ENABLE_PDL=1 timeout -s INT 170 python3 benchmarks/kivi_bench.py --stage points \
+    --points vanilla:131072x4 --out "$OUT/kivi_pdl_vanilla_on_h200.jsonl" > "$OUT/pdl_vanilla.log" 2>&1
+  echo "vanilla pdl on rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_pdl_vanilla_on_h200.jsonl" ;;
 zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal, 22 KIVI GPU tests passed, no faster
   # there, kivi_zero_blocks.patch) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
   # against the package, then (VARIANT_STEP=1) kivi2 at 128K x 4 with the patch applied and every KIVI GPU test.
