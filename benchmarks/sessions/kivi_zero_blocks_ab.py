@@ -2,7 +2,9 @@
 the package's Gluon kernel ("package") and with a variant module's (``--variant``: a ``kernels/kivi_gluon.py`` with
 absolute imports, e.g. the key zeros' blocks of ``kivi_zero_blocks.patch`` as next.sh's zero_blocks builds it);
 interleaved package / variant / package / variant, each output against the torch reference ("err") and against the
-other arm's ("diff", expected 0 for that variant: the same products in the same order).
+other arm's ("diff", expected 0 for that variant: the same products in the same order). Ran on an H100 (twenty-fifth
+session, no faster) and the H200 (twenty-sixth, ``results/kivi_zero_blocks_ab_h200.jsonl``: bit-equal, 1-2 % slower;
+the step too, ``kivi_zero_blocks_step_h200.jsonl``): the patch is not applied.
 
     python benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_zero_blocks.py [--bits 2,4]
         [--points 32768x1,32768x16,131072x1,131072x4] [--variant-config '{"4": {"stages": 3}}']   # JSON lines

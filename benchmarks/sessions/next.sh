@@ -70,6 +70,14 @@
 # passed), then an H200: ring_overlap OVERLAP_POINTS=32768x1,131072x4 BENCH_POINTS=vanilla:131072x4,kivi2:131072x4
 # (the op 3-13 % faster, bit-equal; kivi2 436.3 on / 440.0 off tok/s against vanilla's 189.8, inside the spread).
 # Next: overlap_small (the step where the op gains most), the KIVI and mixed GPU tests on the H200 (verify).
+# 2026-12-05 twenty-sixth session: an H100 first: ring_combine (the residual ring's attention and the combine as one
+# kernel, kivi_ring_combine.patch: slower at every point, 10.5-13.0 us against 5.6 + 3.8 at 128K x 4; 22 KIVI GPU
+# tests passed with it; not applied); two failed H200 starts; then an H200: zero_blocks_step (the key zeros once a
+# block: bit-equal, the op 1-2 % slower, kivi2 442.1 / 442.3 against 443.8 tok/s interleaved; vanilla / kivi2
+# 193.5 / 443.9 tok/s, 2.29x), pdl_step (TORCHINDUCTOR_ENABLE_PDL=1: no change), kivi_profile (8.77 ms of GPU time a
+# kivi2 step: Gluon 3.89, GEMMs 3.96, ring 0.17, combine 0.12, pointwise 0.39). Next: #18 if the two-GPU kind is
+# lent; for #20 the step needs ~0.7 ms less: fewer ALU instructions a code in the Gluon kernel (int8 MMAs on
+# the code planes would halve the LOP3 / PRMT a code), or faster small GEMMs (q/k/v and o at 54-67 % of bandwidth).
 # 2026-12-05 twenty-fifth session: one failed start, then an H200: qshared (the query operands in shared memory:
 # 122-126 registers, slower at every point, 131.2 -> 166.9 us at 128K x 4; kivi2 436.0 -> 383.9 tok/s; not applied,
 # kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
@@ -1129,7 +1137,7 @@ pdl_step)  # #20 (2026-12-05 twenty-sixth session) inductor's programmatic depen
     --points vanilla:131072x4 --out "$OUT/kivi_pdl_vanilla_on_h200.jsonl" > "$OUT/pdl_vanilla.log" 2>&1
   echo "vanilla pdl on rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_pdl_vanilla_on_h200.jsonl" ;;
 zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal, 22 KIVI GPU tests passed, no faster
-  # there, kivi_zero_blocks.patch) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
+  # there, kivi_zero_blocks.patch; on the H200 in the twenty-sixth session's zero_blocks_step: slower) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
   # against the package, then (VARIANT_STEP=1) kivi2 at 128K x 4 with the patch applied and every KIVI GPU test.
   # Before the call, here (and carry .carry) (~3-7 min):
   #   git apply benchmarks/sessions/kivi_zero_blocks.patch && sed -E 's/^from \.(kivi_quant|tiles)/from \
