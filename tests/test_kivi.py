@@ -112,6 +112,7 @@ def test_kivi_storage_equals_independent_quantization_through_group_handover(chu
     step's attention equals attention over that state."""
     controller, model = make("kivi", bits=2, group_size=4, residual=8)
     spec = controller.runtime.storage
+    assert spec.dense_history  # every token stays (positions 0 .. count - 1, below): decode reads no positions
     lengths = [21, 13]
     for step, rows in enumerate(run(controller, model, lengths, 9, chunk=chunk)):
         for i, row in enumerate(rows):
@@ -139,6 +140,7 @@ def test_kivi_storage_equals_independent_quantization_through_group_handover(chu
                     h = qh // (Q_HEADS // KV_HEADS)
                     want = torch.softmax(k_all[h] @ qv * 0.25, 0) @ v_all[h]
                     torch.testing.assert_close(out[i, 0, qh], want, atol=1e-5, rtol=1e-5)
+    assert controller.manager.storage.spec.dense_history  # what the storage's decode views pass to the kernel
 
 
 @pytest.mark.parametrize("method,options", [("snapkv+kivi", {}), ("pyramidkv+kivi", {"beta": 2})])
@@ -148,6 +150,7 @@ def test_compositions_compact_in_full_precision_then_quantize_kept_tokens_once(m
     controller, model = make(method, budget=14, window=4, bits=4, group_size=4, residual=4, **options)
     spec = controller.runtime.storage
     assert controller.runtime.prefill_mode.value == "whole"
+    assert not spec.dense_history  # kept tokens: positions with gaps, read by decode attention
     lengths = [30, 22]
     budgets = [controller.runtime.layer_budgets(n) for n in lengths]
     assert method == "snapkv+kivi" or budgets[0][0] != budgets[0][1]  # pyramid: layers keep different counts

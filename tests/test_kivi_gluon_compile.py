@@ -29,10 +29,11 @@ POINTERS = {"Q": "*bf16", "KC": "*u8", "KS": "*bf16", "KZ": "*bf16", "VC": "*u8"
             "QUANT": "*i64", "QPOS": "*i64", "MID_O": "*fp32", "MID_LSE": "*fp32", "LOGITS": "*fp32"}
 
 
-def compile_usage(bits: int, with_logits: bool, half: bool = False) -> dict:
+def compile_usage(bits: int, with_logits: bool, half: bool = False, all_visible: bool = False) -> dict:
     """Compile at the Llama-3.1-8B shape (8 KV heads, GQA 4, 33 splits) with the launch's constexprs
     (:func:`.kivi_gluon.launch_constants`; every other argument by its kind); the cubin's registers and stack bytes
-    (``{}`` without Triton's bundled cuobjdump). ``half``: an fp16 model's queries, scales and residual."""
+    (``{}`` without Triton's bundled cuobjdump). ``half``: an fp16 model's queries, scales and residual;
+    ``all_visible``: the form that reads no positions (``kivi`` alone)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -40,7 +41,8 @@ def compile_usage(bits: int, with_logits: bool, half: bool = False) -> dict:
 
     params = list(inspect.signature(kivi_gluon._kivi_gluon_kernel.fn).parameters)
     consts = {"KV_HEADS": 8, "GROUP": 4, "NUM_SPLITS": 33, "QSPLITS": 32, "RING": 160,
-              **kivi_gluon.launch_constants(bits, with_logits, torch.float16 if half else torch.bfloat16)}
+              **kivi_gluon.launch_constants(bits, with_logits, torch.float16 if half else torch.bfloat16,
+                                            all_visible)}
     consts = {k: v for k, v in consts.items() if k in params}
     pointers = {k: v.replace("bf16", "fp16") if half else v for k, v in POINTERS.items()}
     sig = {p: pointers.get(p) or ("constexpr" if p in consts else "fp32" if p == "qk_scale" else "i32")
@@ -71,7 +73,8 @@ def compile_usage(bits: int, with_logits: bool, half: bool = False) -> dict:
 def test_gluon_kivi_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; sys.path.insert(0, 'tests'); from test_kivi_gluon_compile import compile_usage; "
-            "print(json.dumps([compile_usage(2, False), compile_usage(4, True), compile_usage(2, False, True)]))")
+            "print(json.dumps([compile_usage(2, False), compile_usage(4, True), compile_usage(2, False, True), "
+            "compile_usage(2, False, False, True)]))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

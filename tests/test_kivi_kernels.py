@@ -305,4 +305,5 @@ def test_opcheck_kivi_ops():
     torch.library.opcheck(torch.ops.sparsecompile.kivi_dequantize.default,
                           (*pages, torch.tensor([[2, 4]]), torch.float32))
     torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default, decode_case(long=40))
+    torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default, (*decode_case(long=40), True))
     torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention_logits.default, decode_case(long=40))

@@ -1136,6 +1136,24 @@ pdl_step)  # #20 (2026-12-05 twenty-sixth session) inductor's programmatic depen
   TORCHINDUCTOR_ENABLE_PDL=1 timeout -s INT 170 python3 benchmarks/kivi_bench.py --stage points \
     --points vanilla:131072x4 --out "$OUT/kivi_pdl_vanilla_on_h200.jsonl" > "$OUT/pdl_vanilla.log" 2>&1
   echo "vanilla pdl on rc=$?"; grep -o '"tok_s": [0-9.]*, "step_ms": [0-9.]*' "$OUT/kivi_pdl_vanilla_on_h200.jsonl" ;;
+dense_history)  # #20 (2026-12-05 twenty-sixth session) kivi alone's decode reads no positions (KiviSpec.dense_history,
+  # the Gluon kernel's ALL_VISIBLE): vanilla + kivi2 at 128K x 4 in one process, then the KIVI GPU tests of the engine
+  # (CUDA graphs against eager) and of the op at 4K x 4 (with the new dense-history check) (~5 min)
+  timeout -s INT 125 python3 benchmarks/kivi_bench.py --stage points --points vanilla:131072x4,kivi2:131072x4 \
+    --out "$OUT/kivi_points_dense_history_h200.jsonl" > "$OUT/points.log" 2>&1
+  echo "points rc=$?"; grep -o '"method": "[a-z0-9+]*".*"tok_s": [0-9.]*, "step_ms": [0-9.]*' \
+    "$OUT/kivi_points_dense_history_h200.jsonl" | sed 's/"context.*"tok_s"/ "tok_s"/'
+  timeout -s INT "${TESTS_S:-170}" $P tests/gpu/test_kivi_cuda.py -k "equals_eager or (triton_vs_reference and 4096)" \
+    > "$OUT/gpu_tests_kivi_dense_history_h200.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_dense_history_h200.log" | tail -8 ;;
+all_visible)  # #20 (2026-12-05 twenty-sixth session) the Gluon kernel without positions (no position copy, no
+  # visibility compares: every quantized slot visible, as for plain kivi without a window: no holes, and the quantized
+  # slots precede every query) against the package, on the A/B's inputs (no holes, no window: bit-equal expected);
+  # the variant module built here: the package's kivi_gluon.py with absolute imports, the `_copy(pss, ...)` line
+  # and the `kpos` / `vis` lines removed (s = sc * KEY_UNITS + sz), in .carry/kivi_gluon_all_visible.py (~2.5 min)
+  timeout -s INT 150 python3 benchmarks/sessions/kivi_zero_blocks_ab.py --variant .carry/kivi_gluon_all_visible.py \
+    --points 32768x1,131072x4 > "$OUT/kivi_all_visible_ab_h200.jsonl" 2> "$OUT/ab.err"
+  echo "ab rc=$?"; tail -2 "$OUT/ab.err"; cut -c1-170 "$OUT/kivi_all_visible_ab_h200.jsonl" ;;
 zero_blocks)  # #20 (2026-12-05 twenty-fifth session; ran on an H100: bit-equal, 22 KIVI GPU tests passed, no faster
   # there, kivi_zero_blocks.patch; on the H200 in the twenty-sixth session's zero_blocks_step: slower) the key zeros' logit terms once a block of 16 groups, on the H200: the op A/B
   # against the package, then (VARIANT_STEP=1) kivi2 at 128K x 4 with the patch applied and every KIVI GPU test.

@@ -42,13 +42,17 @@ else:
 
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                 ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, *,
+                                 ring_rows, index, lengths, quantized, q_positions, scale, sliding_window,
+                                 dense_history: bool = False, *,
                                  num_splits: int | None = None, config: dict | None = None, with_logits: bool = False,
                                  residual_splits: int = 0):
     """CUDA launch (the Gluon and Triton kernels) with the semantics of :func:`kivi_decode_attention_reference`
     (``with_logits``: of :func:`kivi_decode_attention_logits_reference`, the output, log-sum-exp and logits).
     ``num_splits`` / ``config`` (tests, sweeps) force the Triton kernel with that many splits of each list, of its
-    quantized slots alone with ``residual_splits`` more for the ring's blocks (the Gluon launch's arrangement)."""
+    quantized slots alone with ``residual_splits`` more for the ring's blocks (the Gluon launch's arrangement).
+    ``dense_history`` (:attr:`.KiviSpec.dense_history`): every list's quantized slots hold its oldest tokens, none
+    empty, before every query; without a sliding window the Gluon kernel then reads no positions for them (the
+    result is the same)."""
     batch, q_heads, queries, dim = query.shape
     heads, page_size = kcode.shape[1], kcode.shape[2]
     group_size = page_size // kscale.shape[2]
@@ -117,7 +121,7 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     if gluon:
         kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
                              q_positions, scale, sliding_window, mid_o, mid_lse, splits - rsplits,
-                             logits if with_logits else None)
+                             logits if with_logits else None, dense_history and sliding_window <= 0)
     elif rsplits:
         triton_splits(0, splits - rsplits)
     if rsplits:
@@ -134,8 +138,15 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     return (out, lse, logits) if with_logits else out
 
 
+def _reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
+               lengths, quantized, q_positions, scale, sliding_window, dense_history=False):
+    """The op's CPU kernel: :func:`kivi_decode_attention_reference` (``dense_history`` changes no result)."""
+    return kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
+                                           ring_rows, index, lengths, quantized, q_positions, scale, sliding_window)
+
+
 def _fake(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,
-          quantized, q_positions, scale, sliding_window):
+          quantized, q_positions, scale, sliding_window, dense_history=False):
     batch, q_heads, queries, dim = query.shape
     return query.new_empty(batch, queries, q_heads, dim)
 
@@ -159,8 +170,8 @@ def _fake_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ri
 kivi_decode_attention = define_op(
     "kivi_decode_attention(Tensor query, Tensor kcode, Tensor vcode, Tensor kscale, Tensor kzero, Tensor vscale, "
     "Tensor vzero, Tensor pos_pool, Tensor ring_k, Tensor ring_v, Tensor ring_rows, Tensor index, Tensor lengths, "
-    "Tensor quantized, Tensor q_positions, float scale, int sliding_window) -> Tensor",
-    cpu=kivi_decode_attention_reference,
+    "Tensor quantized, Tensor q_positions, float scale, int sliding_window, bool dense_history=False) -> Tensor",
+    cpu=_reference,
     cuda=kivi_decode_attention_triton if triton is not None else None,
     fake=_fake,
 )

@@ -31,7 +31,7 @@ HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_le
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -231,6 +231,11 @@ class KiviRuntime(KiviStorageMixin, SparseMethod):
     #: a prompt chunk reads the groups that earlier chunks left quantized, so where chunks end changes what it reads:
     #: the serving engine feeds generate()'s chunks whatever else is batched
     prefill_mode = PrefillMode.ALIGNED
+
+    def __init__(self, config: KiviConfig, model: ModelInfo) -> None:
+        super().__init__(config, model)
+        # every token stays: the quantized slots are each list's oldest tokens, with no empty slot among them
+        self.storage = replace(self.storage, dense_history=True)
 
 
 # ---------------------------------------------------------------------------------------------------- composition

@@ -63,11 +63,13 @@ class QuantizedKV:
     ring_v: torch.Tensor
     ring_rows: torch.Tensor  # [batch] ring row of each sequence for this layer
     quantized: torch.Tensor  # [batch] leading slots in pages
+    dense_history: bool = False  # KiviSpec.dense_history: the quantized slots hold every oldest token, none empty
 
     def decode_attention(self, query: torch.Tensor, view: AttentionView, q_positions: torch.Tensor, scale: float,
                          sliding_window: int) -> torch.Tensor:
         return kivi_decode_attention(query, *self.tensors, view.pos_pool, self.ring_k, self.ring_v, self.ring_rows,
-                                     view.index, view.lengths, self.quantized, q_positions, scale, sliding_window)
+                                     view.index, view.lengths, self.quantized, q_positions, scale, sliding_window,
+                                     self.dense_history)
 
     def decode_attention_logits(self, query: torch.Tensor, view: AttentionView, q_positions: torch.Tensor,
                                 scale: float, sliding_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,7 +257,7 @@ class KiviStorage(DeferredCommits):
             return self._materialize(layer, step)
         table = m.block_table[rows, m.layer_key(layer)][:, : None if max_slots is None else -(-max_slots // P)]
         quant = QuantizedKV(self.page_tensors(), self.ring_k, self.ring_v, self._ring_rows(layer, rows),
-                            self.spec.quantized(lengths.long() - step.num_new))
+                            self.spec.quantized(lengths.long() - step.num_new), self.spec.dense_history)
         return AttentionView(None, None, m.pos_pool, table[:, None, :].expand(-1, H, -1),
                              lengths[:, None].expand(-1, H), P, quant)
 

@@ -92,6 +92,15 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
     for splits, config in ((None, None), (1, None), (None, {"num_warps": 2, "num_stages": 2})):
         got = kivi_decode_attention_triton(*args, num_splits=splits, config=config)
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    if window == 0:  # kivi alone (dense_history: no empty slot, every quantized slot before the queries): the Gluon
+        # kernel reads no positions, with the same result as with them
+        full = pos.clone()
+        for b in range(batch):
+            full[table[b, 0].long(), :, 3:7] = torch.arange(3, 7, device="cuda", dtype=torch.int32)
+        dense = (*args[:7], full, *args[8:])
+        got = torch.ops.sparsecompile.kivi_decode_attention(*dense, True)
+        assert torch.equal(got, kivi_decode_attention_triton(*dense))
+        torch.testing.assert_close(got.float(), kivi_decode_attention_reference(*dense).float(), atol=3e-2, rtol=3e-2)
     if scale_dtype == torch.float16:  # the fp16 form of the in-register dequantization
         fp16 = kivi_decode_attention_triton(query.half(), *args[1:])
         torch.testing.assert_close(fp16.float(), want.float(), atol=3e-2, rtol=3e-2)
