@@ -75,9 +75,12 @@
 # tests passed with it; not applied); two failed H200 starts; then an H200: zero_blocks_step (the key zeros once a
 # block: bit-equal, the op 1-2 % slower, kivi2 442.1 / 442.3 against 443.8 tok/s interleaved; vanilla / kivi2
 # 193.5 / 443.9 tok/s, 2.29x), pdl_step (TORCHINDUCTOR_ENABLE_PDL=1: no change), kivi_profile (8.77 ms of GPU time a
-# kivi2 step: Gluon 3.89, GEMMs 3.96, ring 0.17, combine 0.12, pointwise 0.39). Next: #18 if the two-GPU kind is
-# lent; for #20 the step needs ~0.7 ms less: fewer ALU instructions a code in the Gluon kernel (int8 MMAs on
-# the code planes would halve the LOP3 / PRMT a code), or faster small GEMMs (q/k/v and o at 54-67 % of bandwidth).
+# kivi2 step: Gluon 3.89, GEMMs 3.96, ring 0.17, combine 0.12, pointwise 0.39), all_visible (the Gluon kernel without
+# positions: bit-equal, 2 bits 136.0 / 132.5 -> 125.9 / 125.8 us at 128K x 4, 4 bits 206.6 / 190.4 -> 181.7 / 181.8;
+# then in the package for kivi alone: KiviSpec.dense_history). Two more failed starts spent the budget. Next, first:
+# dense_history (the step with it: vanilla + kivi2, and the engine's KIVI GPU tests, never run with it; on an H100:
+# TESTS_ONLY=1); #18 if the two-GPU kind is lent; for #20 the step needs ~0.4-0.7 ms more: fewer ALU instructions a
+# code in the Gluon kernel, or faster small GEMMs (q/k/v and o at 54-67 % of bandwidth).
 # 2026-12-05 twenty-fifth session: one failed start, then an H200: qshared (the query operands in shared memory:
 # 122-126 registers, slower at every point, 131.2 -> 166.9 us at 128K x 4; kivi2 436.0 -> 383.9 tok/s; not applied,
 # kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
