@@ -143,6 +143,22 @@ def test_kivi_storage_equals_independent_quantization_through_group_handover(chu
     assert controller.manager.storage.spec.dense_history  # what the storage's decode views pass to the kernel
 
 
+@pytest.mark.parametrize("method,options,dense", [("kivi", {}, True),
+                                                  ("snapkv+kivi", {"budget": 14, "window": 4}, False)])
+def test_decode_tells_the_kernel_whether_the_quantized_history_is_dense(monkeypatch, method, options, dense):
+    """``kivi`` alone keeps every token, so each decode call of the attention op passes ``dense_history`` (the GPU
+    kernel then reads no positions for the quantized slots); a composition's kept tokens may leave empty slots, so
+    its calls do not."""
+    import sparsecompile.runtime.kivi as storage
+
+    seen, op = [], storage.kivi_decode_attention
+    monkeypatch.setattr(storage, "kivi_decode_attention", lambda *args: seen.append(args[-1]) or op(*args))
+    controller, model = make(method, bits=2, group_size=4, residual=4, **options)
+    for _ in run(controller, model, [30, 22], 3):
+        pass
+    assert len(seen) == 3 * LAYERS and all(flag is dense for flag in seen)
+
+
 @pytest.mark.parametrize("method,options", [("snapkv+kivi", {}), ("pyramidkv+kivi", {"beta": 2})])
 def test_compositions_compact_in_full_precision_then_quantize_kept_tokens_once(method, options):
     """<policy>+kivi: the prompt's kept tokens (per head, slot order) are quantized from their full-precision values;
