@@ -62,6 +62,7 @@ METHOD_OPTIONS = {
     "snapkv+kivi": {"budget": 2048, "bits": 2},
     "h2o+kivi": {"budget": 2048, "bits": 2},
     "snapkv+kivi-r32": {"method": "snapkv+kivi", "budget": 2048, "bits": 2, "residual": 32},
+    "quest+kivi": {"budget": 2048, "bits": 2},
 }
 
 
@@ -134,6 +135,20 @@ def _fill_synthetic(controller, rows: list[int], context: int) -> list[int]:
     return counts
 
 
+def _selected_kivi_bytes(controller, read: list[int], counts: list[int], batch: int) -> int:
+    """Bytes a selection over KIVI pages reads a step (``quest+kivi``): per layer and KV head list, the read slots as
+    KIVI stores them (the chosen quantized pages' codes, value metadata and key groups' scales and zeros; the residual
+    in full precision: ``KiviSpec.slot_bytes`` of the read count) plus every quantized key group's scales and zeros,
+    which the page scores read."""
+    lay, spec = controller.layout, controller.manager.storage.spec
+    lists = batch * lay.num_kv_heads
+    total = 0
+    for tokens, count in zip(read, counts):
+        total += lists * spec.slot_bytes(lay.head_dim, lay.dtype, tokens // lists)
+        total += lists * int(spec.quantized(count)) // spec.group_size * 2 * lay.head_dim * 2  # scale + zero, 16-bit
+    return total
+
+
 def pages_per_sequence(oracle, context: int, generated: int) -> int:
     """Pages one sequence holds after ``generated`` decode tokens plus what one more step writes before it evicts:
     the held pages (decode eviction keeps those of ``budget + interval`` slots; a pool sized by the resident slots
@@ -177,8 +192,12 @@ def engine_point(model, method: str, context: int, batch: int, warmup: int, step
         read = [s.tokens_read for s in stats.layers]
         kv_read_token_heads = sum(read) if all(r is not None for r in read) else stats.resident_tokens
         # K/V bytes read: the storage format's (KIVI: codes, scales, zeros, residual), positions not counted
-        kv_bytes = (stats.resident_bytes if all(r is None for r in read)
-                    else kv_read_token_heads * controller.layout.bytes_per_slot_head)
+        if all(r is None for r in read):
+            kv_bytes = stats.resident_bytes
+        elif controller.manager.storage is not None:
+            kv_bytes = _selected_kivi_bytes(controller, read, counts, batch)
+        else:
+            kv_bytes = kv_read_token_heads * controller.layout.bytes_per_slot_head
         point.extra["kv_GB"] = round(kv_bytes / 1e9, 3)
         point.extra["pool_GB"] = round((controller.manager.num_pages * controller.manager.bytes_per_page
                                         + controller.manager.max_seqs * controller.manager.bytes_per_row) / 1e9, 3)

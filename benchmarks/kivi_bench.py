@@ -7,8 +7,10 @@ Stages (each variant in its own try/except, so one failure keeps the others' row
 
 * ``points``: decode tok/s and % of the bytes roofline (``decode.py``'s ``engine_point``: synthetic KV at the size
   each method holds, compiled CUDA-graph decode) for ``vanilla``, ``kivi2``, ``kivi4`` at 32K x 1 / 16 and
-  128K x 1 / 4, and ``snapkv`` / ``snapkv+kivi`` (budget 2048, 2 bits) at 32K x 16 and 128K x 4. The bytes of a
-  KIVI step are its codes, scales, zeros and residual (``kv_stats``), plus the weights.
+  128K x 1 / 4, and ``snapkv`` / ``snapkv+kivi`` / ``quest`` / ``quest+kivi`` (budget 2048, 2 bits) at 32K x 16
+  and 128K x 4. The bytes of a KIVI step are its codes, scales, zeros and residual (``kv_stats``; ``quest+kivi``:
+  those of the slots it reads, and every key group's scales and zeros, which its page scores read), plus the
+  weights.
 * ``capacity``: the largest batch at 128K (``decode.py``'s ``max_batch``: allocation search, then decode at it)
   for ``vanilla``, ``kivi2``, ``snapkv``, ``snapkv+kivi`` and ``snapkv+kivi-r32`` (residual 32).
 * ``kernels``: ``kivi_decode_attention`` at 32K and 128K and ``kivi_quantize`` (``kivi_kernels.py``), % of the
@@ -42,10 +44,11 @@ README_LARGEST = {"vanilla": 7, "snapkv": 443}  # benchmarks/results/decode_h200
 def _points(quick: bool) -> list[tuple[str, int, int]]:
     if quick:
         return [(m, c, b) for m in ("vanilla", "kivi2") for c, b in ((32768, 1), (131072, 4))] + \
-            [("kivi4", 131072, 4), ("snapkv", 131072, 4), ("snapkv+kivi", 131072, 4)]
+            [("kivi4", 131072, 4), ("snapkv", 131072, 4), ("snapkv+kivi", 131072, 4), ("quest+kivi", 131072, 4)]
     dense = [(m, c, b) for m in ("vanilla", "kivi2", "kivi4")
              for c, b in ((32768, 1), (32768, 16), (131072, 1), (131072, 4))]
-    return dense + [(m, c, b) for m in ("snapkv", "snapkv+kivi") for c, b in ((32768, 16), (131072, 4))]
+    return dense + [(m, c, b) for m in ("snapkv", "snapkv+kivi", "quest", "quest+kivi")
+                    for c, b in ((32768, 16), (131072, 4))]
 
 
 def _parse_points(text: str) -> list[tuple[str, int, int]]:

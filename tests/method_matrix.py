@@ -24,6 +24,7 @@ DENSE_EQUIVALENT = {
     "kvzip+kivi": {"budget": 64, "residual": 64, "group_size": 16},
     # the group eviction's floor is the residual plus one group (64 + 16)
     "h2o+kivi": {"budget": 80, "residual": 64, "group_size": 16},
+    "quest+kivi": {"budget": 1024, "dense_layers": 0, "dense_below": 0, "residual": 64, "group_size": 16},
 }
 
 # method name -> options under which the method drops or quantizes at the tiny-model tests' lengths (prompts of
@@ -43,4 +44,6 @@ COMPRESSING = {
     "streamingllm+kivi": {"budget": 16, "sinks": 1, "bits": 2, "residual": 8, "group_size": 4},
     "h2o+kivi": {"budget": 16, "recent": 4, "bits": 2, "residual": 8, "group_size": 4},
     "kvzip+kivi": {"budget": 16, "bits": 2, "residual": 8, "group_size": 4},
+    # the residual, the boundary page and one page of 16 (pages hold whole groups: max(page_size, group_size))
+    "quest+kivi": {"budget": 28, "dense_layers": 0, "dense_below": 0, "bits": 2, "residual": 8, "group_size": 4},
 }

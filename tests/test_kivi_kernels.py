@@ -307,3 +307,59 @@ def test_opcheck_kivi_ops():
     torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default, decode_case(long=40))
     torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default, (*decode_case(long=40), True))
     torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention_logits.default, decode_case(long=40))
+    torch.library.opcheck(torch.ops.sparsecompile.kivi_decode_attention.default,
+                          (*decode_case(long=150), False, *selection_case()))
+
+
+def selection_case():
+    """A selection over ``decode_case()``'s quantized slots: sequence 0 reads one of its two full pages per head (row-
+    local 1 = pool page 0 in head 0, row-local 0 = page 3 in head 1) and its boundary page 7's quantized group, 48
+    slots; sequence 1 has nothing quantized."""
+    return torch.tensor([[[0, 7], [3, 7]], [[0, 0], [0, 0]]], dtype=torch.int32), torch.tensor([48, 0])
+
+
+@pytest.mark.parametrize("window", [0, 60])
+def test_selected_reference_equals_attention_over_the_chosen_pages_and_the_residual(window):
+    """Quest over KIVI pages: the op reads the selection's slots in place of the quantized ones, then the residual;
+    checked against softmax attention over exactly those dequantized slots, built slot by slot. Selecting every
+    quantized slot gives the op without a selection."""
+    args = decode_case(window=window)
+    query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, rows, index, lengths, quant, qpos = \
+        args[:15]
+    pick, count = selection_case()
+    got = kivi_decode_attention_reference(*args, quant_index=pick, quant_count=count)
+    deq_k, deq_v = kq.kivi_dequantize_reference(kcode, vcode, kscale, kzero, vscale, vzero, torch.arange(10),
+                                                torch.float32)
+    for b in range(2):
+        for h in range(2):
+            slots = [(int(pick[b, h, j // PAGE]), j % PAGE) for j in range(int(count[b]))]
+            k = [deq_k[p, h, o] for p, o in slots]
+            v = [deq_v[p, h, o] for p, o in slots]
+            pos = [int(pos_pool[p, h, o]) for p, o in slots]
+            for j in range(int(quant[b]), int(lengths[b, h])):  # the residual, from the ring
+                k.append(ring_k[rows[b], h, j % RING].float())
+                v.append(ring_v[rows[b], h, j % RING].float())
+                pos.append(int(pos_pool[index[b, h, j // PAGE], h, j % PAGE]))
+            pos_t = torch.tensor(pos)
+            ok = (pos_t >= 0) & (pos_t <= qpos[b, 0]) & ((pos_t > qpos[b, 0] - window) if window else True)
+            k, v = torch.stack(k)[ok], torch.stack(v)[ok]
+            for g in range(2):
+                want = torch.softmax(k @ query[b, 2 * h + g, 0].float() * 0.25, 0) @ v
+                torch.testing.assert_close(got[b, 0, 2 * h + g].float(), want, atol=1e-5, rtol=1e-5)
+    everything = index[..., :4], quant  # pages 3, 0, 7 (and 5, past the count): every quantized slot
+    torch.testing.assert_close(kivi_decode_attention_reference(*args, quant_index=everything[0],
+                                                               quant_count=everything[1]),
+                               kivi_decode_attention_reference(*args), atol=1e-6, rtol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,splits", [(2, 2), (4, 1)])
+def test_triton_decode_over_a_selection_matches_reference(bits, splits):
+    """The quantized splits launched on the selection's pages, the ring's blocks on the list's residual."""
+    args = decode_case(bits=bits, window=60 if splits == 2 else 0, seed=bits)
+    pick, count = selection_case()
+    want = kivi_decode_attention_reference(*args, quant_index=pick, quant_count=count)
+    got = kivi_decode_attention_triton(*args, False, pick, count, num_splits=splits, config={"block_f": 16})
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="logits of a selection"):
+        kivi_decode_attention_triton(*args, False, pick, count, with_logits=True)

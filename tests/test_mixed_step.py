@@ -54,6 +54,8 @@ def test_a_step_that_decodes_and_prefills_runs_one_forward(monkeypatch):
     ("h2o", {"budget": 16}),  # decode evicts every step: its targets must not be the prefill part's
     ("snapkv+kivi", {"budget": 24, "window": 4, "residual": 16, "group_size": 16}),  # deferred commit, quantized
     ("kivi", {"residual": 16, "group_size": 16, "bits": 4}),
+    # a decode selection over quantized pages beside prompt chunks
+    ("quest+kivi", {"budget": 48, "dense_layers": 0, "dense_below": 0, "residual": 16, "group_size": 16}),
 ])
 def test_mixed_steps_keep_each_parts_plan(method, options, monkeypatch):
     reference, llm = tiny_llm(method, max_num_batched_tokens=64, **options)

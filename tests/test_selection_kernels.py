@@ -156,6 +156,52 @@ def test_triton_quest_scores_match_reference():
                                atol=1e-5, rtol=1e-5)
 
 
+def _affine_case(bits=2, seed=6, groups=2, group=4):
+    """KIVI key pages of ``groups`` quantization groups (``kivi_quant``'s formulas): zeros / scales ``[POOL, HEADS,
+    groups, DIM]`` and the dequantized keys ``[POOL, HEADS, groups * group, DIM]`` they bound; a constant channel."""
+    from sparsecompile.kernels.kivi_quant import dequantize_keys, quantize_keys
+
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(POOL, HEADS, groups, group, DIM, generator=g) * torch.linspace(0.5, 3, DIM)
+    keys[0, 1, 0, :, 2] = 0.75
+    codes, scale, zero = quantize_keys(keys, bits, torch.float16)
+    return zero, scale, dequantize_keys(codes, scale, zero).flatten(2, 3)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_affine_scores_are_quest_scores_of_the_dequantized_keys(bits):
+    """A KIVI key group spans exactly [zero, zero + levels * scale] per channel (its extremes quantize to codes 0 and
+    levels): the scores from the metadata equal Quest's over the dequantized keys' per-page min / max, and bound
+    every logit of the page."""
+    from sparsecompile.kernels.quest_scores import quest_page_scores_affine
+
+    zero, scale, keys = _affine_case(bits)
+    query, _, _, pages, num = _quest_case(1)
+    levels = 2 ** bits - 1
+    got = quest_page_scores_affine(query, zero, scale, pages, num, levels)
+    torch.testing.assert_close(got, quest_page_scores_reference(query, keys.amin(2), keys.amax(2), pages, num),
+                               atol=1e-5, rtol=1e-5)
+    logits = torch.einsum("bhgd,phsd->bhgps", query.view(3, HEADS, GROUP, DIM), keys).amax(dim=(2, 4))  # [b, h, p]
+    for b in range(3):
+        for j in range(int(num[b])):
+            assert (got[b, :, j] + 1e-5 >= logits[b, :, int(pages[b, j])]).all()
+        assert torch.isinf(got[b, :, int(num[b]):]).all()
+    torch.library.opcheck(torch.ops.sparsecompile.quest_page_scores_affine.default,
+                          (query, zero, scale, pages, num, levels))
+
+
+@triton_only
+@pytest.mark.parametrize("groups", [1, 2])
+def test_triton_affine_scores_match_reference(groups):
+    from sparsecompile.kernels.quest_scores import quest_page_scores_affine_reference, quest_page_scores_triton
+
+    zero, scale, _ = _affine_case(groups=groups)
+    query, _, _, pages, num = _quest_case(2)
+    case = [t.to(DEVICE) for t in (query, zero, scale, pages, num)]
+    torch.testing.assert_close(quest_page_scores_triton(*case, levels=3),
+                               quest_page_scores_affine_reference(*case, 3), atol=1e-3, rtol=1e-3)
+
+
 @triton_only
 def test_triton_omnikv_scores_match_reference():
     from sparsecompile.kernels.omnikv_scores import omnikv_scores_triton

@@ -1,11 +1,13 @@
-"""h2o+kivi on the embedded SmolLM2-135M (CPU or GPU): the passkey at three depths against h2o alone, and the KV each
-holds (``kv_stats``).
+"""h2o+kivi (or quest+kivi) on the embedded SmolLM2-135M (CPU or GPU): the passkey at three depths against the policy
+alone, and the KV each holds and reads (``kv_stats``).
 
     python benchmarks/sessions/h2o_kivi_passkey.py [--budget 1536] [--new 40] [--out FILE]
+    python benchmarks/sessions/h2o_kivi_passkey.py --family quest --budget 512 --new 12 [--out FILE]
 
 H2O answers the ~3K-token passkey at budget 1536 with 128 recent tokens (tests/test_passkey_smollm2.py); ``--new``
-40 tokens take each row past ``budget + 32``, so one key group per KV head leaves during the answer. JSON lines to
-``--out``; a table last.
+40 tokens take each row past ``budget + 32``, so one key group per KV head leaves during the answer. ``--family
+quest``: Quest and Quest over KIVI pages selecting at every length (``dense_below=0``; Quest's first two layers
+dense). JSON lines to ``--out``; a table last.
 """
 
 from __future__ import annotations
@@ -34,25 +36,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=1536)
     parser.add_argument("--recent", type=int, default=128)
     parser.add_argument("--new", type=int, default=40)
+    parser.add_argument("--family", choices=("h2o", "quest"), default="h2o")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     model, tokenizer = load_model(None, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
                                   device=args.device)
-    systems = {"h2o": ("h2o", {}), "h2o+kivi4": ("h2o+kivi", {"bits": 4}), "h2o+kivi2": ("h2o+kivi", {"bits": 2})}
+    f = args.family
+    systems = {f: (f, {}), f"{f}+kivi4": (f"{f}+kivi", {"bits": 4}), f"{f}+kivi2": (f"{f}+kivi", {"bits": 2})}
+    common = dict(recent=args.recent) if f == "h2o" else dict(dense_below=0)
     rows = []
     for depth in [float(d) for d in args.depths.split(",")]:
         ids = passkey_prompt(tokenizer, PASSKEY, target_tokens=3000, depth=depth, source="austen").to(args.device)
         for name, (method, options) in systems.items():
-            patched = sparsecompile.optimize(copy.deepcopy(model), method, budget=args.budget, recent=args.recent,
-                                             **options)
+            patched = sparsecompile.optimize(copy.deepcopy(model), method, budget=args.budget, **common, **options)
             out = patched.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                                    min_new_tokens=args.new, do_sample=False, return_dict_in_generate=True)
             text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             stats = sparsecompile.kv_stats(cache)
-            rows.append({"depth": depth, "tokens": ids.shape[1], "system": name, "budget": args.budget,
-                         "recent": args.recent,
+            read = [layer.tokens_read for layer in stats.layers]
+            rows.append({"depth": depth, "tokens": ids.shape[1], "system": name, "budget": args.budget, **common,
+                         "tokens_read": None if None in read else sum(read),
                          "new_tokens": args.new, "retrieved": PASSKEY in re.sub(r"\D", "", text[:60]),
                          "answer": text[:60], "resident_MB": stats.resident_bytes / 1e6,
                          "resident_tokens": stats.resident_tokens})

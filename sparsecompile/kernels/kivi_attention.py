@@ -43,7 +43,8 @@ else:
 
 def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window,
-                                 dense_history: bool = False, *,
+                                 dense_history: bool = False, quant_index: torch.Tensor | None = None,
+                                 quant_count: torch.Tensor | None = None, *,
                                  num_splits: int | None = None, config: dict | None = None, with_logits: bool = False,
                                  residual_splits: int = 0):
     """CUDA launch (the Gluon and Triton kernels) with the semantics of :func:`kivi_decode_attention_reference`
@@ -52,12 +53,17 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     quantized slots alone with ``residual_splits`` more for the ring's blocks (the Gluon launch's arrangement).
     ``dense_history`` (:attr:`.KiviSpec.dense_history`): every list's quantized slots hold its oldest tokens, none
     empty, before every query; without a sliding window the Gluon kernel then reads no positions for them (the
-    result is the same)."""
+    result is the same). ``quant_index / quant_count`` (a selection over the quantized slots, Quest over KIVI pages):
+    the quantized splits read those pages' first ``quant_count[b]`` slots instead of ``[0, quantized)`` (the same
+    kernels, launched on them), the ring's splits the residual as ever; the ring then always has splits of its own."""
     batch, q_heads, queries, dim = query.shape
     heads, page_size = kcode.shape[1], kcode.shape[2]
     group_size = page_size // kscale.shape[2]
     group = q_heads // heads
     bits = storage_bits(kcode, dim)
+    selected = quant_index is not None
+    if with_logits and selected:
+        raise ValueError("kivi_decode_attention: the logits of a selection over the quantized slots are not offered")
     if with_logits and (not fast_path_supported(group_size, dim, bits) or group > 64):
         return kivi_decode_attention_logits_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool,
                                                       ring_k, ring_v, ring_rows, index, lengths, quantized,
@@ -65,23 +71,25 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     if not fast_path_supported(group_size, dim, bits) or queries * group > 64:  # torch, sync-free: every slot
         return kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k,
                                                ring_v, ring_rows, index, lengths, quantized, q_positions, scale,
-                                               sliding_window, span=index.shape[2] * page_size)
+                                               sliding_window, span=index.shape[2] * page_size,
+                                               quant_index=quant_index, quant_count=quant_count)
     query, index, q_positions = launch_inputs(query, index, q_positions)
     # the Gluon kernel takes the quantized slots (every split but the last), this one the residual (the last)
     gluon = num_splits is None and config is None and \
         gluon_supported(query, bits, group_size, dim, page_size, queries * group, kscale.dtype)
     cfg = {**KIVI_DECODE_CONFIG, **(config or {})}
-    # the residual ring a program a block of block_f slots (Gluon: always; the Triton kernel alone: when asked)
-    rsplits = -(-ring_k.shape[2] // cfg["block_f"]) if gluon else residual_splits
+    # the residual ring a program a block of block_f slots (Gluon or a selection: always; else when asked)
+    rsplits = -(-ring_k.shape[2] // cfg["block_f"]) if gluon or selected else residual_splits
     block_m = max(8, triton.next_power_of_2(queries * group))  # an m16n8 MMA's 8 columns: GQA 4 wastes half
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     span = index.shape[2] * page_size
+    qspan = (quant_index if selected else index).shape[2] * page_size  # what the quantized splits spread over
     if gluon:
         launch = KIVI_GLUON_CONFIG[bits]
-        splits = wave_splits(batch * heads, span, launch["min_groups"] * group_size, launch["programs_per_sm"],
+        splits = wave_splits(batch * heads, qspan, launch["min_groups"] * group_size, launch["programs_per_sm"],
                              query.device) + rsplits
     else:
-        splits = (num_splits or wave_splits(batch * heads, span, 4 * group_size, cfg["programs_per_sm"],
+        splits = (num_splits or wave_splits(batch * heads, qspan, 4 * group_size, cfg["programs_per_sm"],
                                             query.device)) + rsplits
     if splits > 1:
         mid_o = torch.empty(batch, q_heads, queries, splits, dim, dtype=torch.float32, device=query.device)
@@ -94,11 +102,13 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     else:
         logits = lse = out
     quantized = quantized.contiguous()
+    # what the quantized splits read: the list's leading slots, or the selection's pages
+    qindex, qcount = (quant_index.contiguous(), quant_count.contiguous()) if selected else (index, quantized)
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(query.dtype, tl.float32)
     asm = _asm_strings(bits, dim, group_size, query.dtype, query.is_cuda)
 
-    def triton_splits(first: int, count: int) -> None:
-        """The Triton kernel over splits ``first .. first + count - 1``."""
+    def triton_splits(first: int, count: int, index=index, quantized=quantized) -> None:
+        """The Triton kernel over splits ``first .. first + count - 1`` (``index, quantized``: what they read)."""
         _kivi_decode_kernel[(batch * heads, count)](
             query, kcode.view(torch.uint8), vcode.view(torch.uint8), kscale, kzero, vscale, vzero, pos_pool, ring_k,
             ring_v, ring_rows.contiguous(), index, lengths, quantized, q_positions, out, mid_o, mid_lse,
@@ -119,11 +129,11 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
     # the quantized splits (the Gluon kernel's, or the Triton kernel's), then the ring's blocks, as two launches
     # whenever the ring has its own splits (the Triton kernel alone then runs the Gluon launch's arrangement)
     if gluon:
-        kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, index, quantized,
+        kivi_gluon_quantized(query, kcode, kscale, kzero, vcode, vscale, vzero, pos_pool, qindex, qcount,
                              q_positions, scale, sliding_window, mid_o, mid_lse, splits - rsplits,
                              logits if with_logits else None, dense_history and sliding_window <= 0)
     elif rsplits:
-        triton_splits(0, splits - rsplits)
+        triton_splits(0, splits - rsplits, qindex, qcount)
     if rsplits:
         triton_splits(splits - rsplits, rsplits)
     else:
@@ -139,14 +149,16 @@ def kivi_decode_attention_triton(query, kcode, vcode, kscale, kzero, vscale, vze
 
 
 def _reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
-               lengths, quantized, q_positions, scale, sliding_window, dense_history=False):
+               lengths, quantized, q_positions, scale, sliding_window, dense_history=False, quant_index=None,
+               quant_count=None):
     """The op's CPU kernel: :func:`kivi_decode_attention_reference` (``dense_history`` changes no result)."""
     return kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                           ring_rows, index, lengths, quantized, q_positions, scale, sliding_window)
+                                           ring_rows, index, lengths, quantized, q_positions, scale, sliding_window,
+                                           quant_index=quant_index, quant_count=quant_count)
 
 
 def _fake(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,
-          quantized, q_positions, scale, sliding_window, dense_history=False):
+          quantized, q_positions, scale, sliding_window, dense_history=False, quant_index=None, quant_count=None):
     batch, q_heads, queries, dim = query.shape
     return query.new_empty(batch, queries, q_heads, dim)
 
@@ -170,7 +182,8 @@ def _fake_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ri
 kivi_decode_attention = define_op(
     "kivi_decode_attention(Tensor query, Tensor kcode, Tensor vcode, Tensor kscale, Tensor kzero, Tensor vscale, "
     "Tensor vzero, Tensor pos_pool, Tensor ring_k, Tensor ring_v, Tensor ring_rows, Tensor index, Tensor lengths, "
-    "Tensor quantized, Tensor q_positions, float scale, int sliding_window, bool dense_history=False) -> Tensor",
+    "Tensor quantized, Tensor q_positions, float scale, int sliding_window, bool dense_history=False, "
+    "Tensor? quant_index=None, Tensor? quant_count=None) -> Tensor",
     cpu=_reference,
     cuda=kivi_decode_attention_triton if triton is not None else None,
     fake=_fake,

@@ -39,15 +39,46 @@ def kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, r
     return (torch.where(in_ring, rk, k), torch.where(in_ring, rv, v), torch.where(valid, pos, -1), valid)
 
 
+def kivi_selected_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,
+                     quantized, quant_index, quant_count) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """:func:`kivi_view_kv` for a selection over the quantized slots: the first ``quant_count[b]`` slots of the pages
+    ``quant_index [batch, kv_heads, k]`` names, then the residual (every list's slots ``[quantized, lengths)``, in
+    the ring, their positions through ``index``), ``span = k * P + RING`` columns (torch, sync-free)."""
+    batch, heads = index.shape[:2]
+    page_size, ring = kcode.shape[2], ring_k.shape[2]
+    count = quant_count.long()
+    k, v, pos, valid = kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
+                                    quant_index, count[:, None].expand(batch, heads), count,
+                                    quant_index.shape[2] * page_size)
+    slot = quantized.long()[:, None] + torch.arange(ring, device=index.device)  # [B, RING]: the residual's slots
+    live = slot[:, None, :] < lengths.long()[..., None]  # [B, H, RING]
+    head = torch.arange(heads, device=index.device)[None, :, None]
+    at = torch.where(live, slot[:, None, :], 0)
+    page = torch.gather(index.long(), 2, at // page_size)
+    rpos = pos_pool[page, head, at % page_size].long()
+    rows = ring_rows.long()[:, None, None].expand(batch, heads, ring)
+    ridx = (slot % ring)[:, None, :].expand(batch, heads, ring)
+    rk = ring_k[rows, head.expand_as(ridx), ridx].float()
+    rv = ring_v[rows, head.expand_as(ridx), ridx].float()
+    return (torch.cat([k, rk], 2), torch.cat([v, rv], 2), torch.cat([pos, torch.where(live, rpos, -1)], 2),
+            torch.cat([valid, live], 2))
+
+
 def _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,
                       lengths, quantized, q_positions, scale: float, sliding_window: int,
-                      span: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      span: int, quant_index=None, quant_count=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled fp32 logits ``[batch, kv_heads, group * queries, span]`` (row ``g * T + t``; -inf where unseen) and the
-    values ``[batch, kv_heads, span, D]`` of the first ``span`` slots of every list."""
+    values ``[batch, kv_heads, span, D]`` of the first ``span`` slots of every list (with ``quant_index``: of
+    :func:`kivi_selected_kv`'s columns)."""
     batch, q_heads, queries, dim = query.shape
     heads = index.shape[1]
-    k, v, kpos, valid = kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows,
-                                     index, lengths, quantized, span)
+    tensors = (kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index, lengths,
+               quantized)
+    if quant_index is None:
+        k, v, kpos, valid = kivi_view_kv(*tensors, span)
+    else:
+        k, v, kpos, valid = kivi_selected_kv(*tensors, quant_index, quant_count)
     q = query.float().reshape(batch, heads, q_heads // heads * queries, dim)
     mask = visibility(kpos, valid, q_positions.repeat(1, q_heads // heads), sliding_window)  # [B, H, g*T, span]
     logits = torch.einsum("bhqd,bhnd->bhqn", q, k) * scale
@@ -56,7 +87,8 @@ def _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_poo
 
 def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
                                     ring_rows, index, lengths, quantized, q_positions, scale: float,
-                                    sliding_window: int, span: int | None = None) -> torch.Tensor:
+                                    sliding_window: int, span: int | None = None, quant_index=None,
+                                    quant_count=None) -> torch.Tensor:
     """Torch reference: rebuild the floats of every list, then fp32 softmax attention.
 
     Args:
@@ -68,17 +100,22 @@ def kivi_decode_attention_reference(query, kcode, vcode, kscale, kzero, vscale, 
         q_positions: ``[batch, queries]`` (-1: padding query).
         span: slots of every list to rebuild (None: the longest list's, read from ``lengths``: a host sync; the
             CUDA fallback passes the view's capacity so that it can run inside a CUDA graph capture).
+        quant_index, quant_count: a selection over the quantized slots (Quest over KIVI pages): ``[batch, kv_heads,
+            k]`` page ids and ``[batch]`` slots; each list then reads the first ``quant_count[b]`` slots of those
+            pages, in place of its quantized slots ``[0, quantized)``, and its residual ``[quantized, lengths)``
+            (``span`` unused: sync-free).
     Returns:
         ``[batch, queries, q_heads, D]`` in ``query.dtype``.
     """
     batch, q_heads, queries, dim = query.shape
-    if span is None:
+    if span is None and quant_index is None:
         span = int(lengths.max()) if lengths.numel() else 0
     out = torch.zeros(batch, queries, q_heads, dim, dtype=query.dtype, device=query.device)
     if span == 0:
         return out
     logits, v = _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v,
-                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, span)
+                                  ring_rows, index, lengths, quantized, q_positions, scale, sliding_window, span,
+                                  quant_index, quant_count)
     probs = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)  # a query that sees nothing returns zeros
     o = torch.einsum("bhqn,bhnd->bhqd", probs, v)  # [B, H, g*T, D], row = g * T + t
     return o.reshape(batch, q_heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous()

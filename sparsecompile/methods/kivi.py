@@ -12,7 +12,8 @@ quantized a group at a time as they age). Methods never see codes: their hooks r
   over KIVI pages slides a page at a time (``kivi_window.py``), a policy that evicts the lowest-scoring token
   during decode, scored from the attention's logits (``h2o``), which over KIVI evicts a whole key group per KV head
   at a time (``kivi_heavy.py``), and a policy that compacts after scoring passes over the prompt (``kvzip``), whose
-  prompt stays in full precision until then (:class:`ScoredPromptMixin`).
+  prompt stays in full precision until then (:class:`ScoredPromptMixin`), and a policy that selects the pages decode
+  reads by their key bounds (``quest``), which over KIVI pages are the key groups' own ranges (``kivi_select.py``).
 
 How eviction stays correct over quantized storage (we chose "quantize only tokens that will never move again"):
 a KIVI key group is quantized per channel over consecutive slots, so moving one token in or out of a quantized group
@@ -21,9 +22,9 @@ one forward (``PrefillMode.WHOLE``) whose slots stay in full precision until the
 the kept tokens are then quantized, once, and decode appends to the residual; a sliding window drops whole pages
 from the front of its unpinned tokens (the block table shifts, the ring turns; ``kivi_window.py``); H2O's decode
 evicts whole quantized key groups, moved as stored (``kivi_heavy.py``); KVzip's prompt is held in full precision
-through its scoring passes (``KiviStorage.hold``) and quantized after its compaction. Selection methods that read
-pages through their own key-scoring kernels (``quest``, ``omnikv``) are refused with the reason
-(:func:`kivi_refusal`), as is any other policy that would move single quantized tokens.
+through its scoring passes (``KiviStorage.hold``) and quantized after its compaction; Quest moves nothing and picks
+pages from the quantized keys' ranges. A selection method that scores keys through its own kernel (``omnikv``) is
+refused with the reason (:func:`kivi_refusal`), as is any other policy that would move single quantized tokens.
 
 Defaults follow KIVI's LongBench setting (group 32, residual 128, 2 bits; KIVI recommends 4 bits for GQA models);
 HF's ``QuantizedCache`` calls them ``nbits``, ``q_group_size`` and ``residual_length``.
@@ -43,6 +44,7 @@ from ..runtime.kivi_spec import KiviSpec
 from ..runtime.memory_oracle import MemoryOracle
 from .eviction import EvictionRuntime
 from .kivi_heavy import GroupEvictionMixin, HeldChunksMixin, evicts_by_group
+from .kivi_select import KeyBoundsOverQuantizedPages
 from .kivi_window import PageWindowMixin
 from .registry import register_format, register_method
 
@@ -247,12 +249,14 @@ def kivi_refusal(policy: type[SparseMethod]) -> str | None:
     """Why ``policy`` cannot be stored as KIVI (None: it can); capabilities, not names, decide."""
     if getattr(policy, "storage_format", None):
         return f"{policy.name} already stores its KV as {policy.storage_format}; compose a retention policy with kivi"
+    if getattr(policy, "selects_by_key_bounds", False):  # page bounds from the key groups' ranges (kivi_select.py)
+        return None
     if (_overrides(policy, SparseMethod, "build_decode_selection") or _overrides(policy, SparseMethod,
                                                                                  "build_prefill_selection")
             or policy.reads_pool_across_layers):
-        return (f"{policy.name} selects pages or tokens to read with its own kernels over the dense pool's keys "
-                f"(page min / max, key scores); over quantized pages those reads would need KIVI-aware scoring "
-                f"kernels, which do not exist yet. Use {policy.name} alone, or kivi alone")
+        return (f"{policy.name} selects tokens to read by scoring the dense pool's keys; over quantized pages that "
+                f"would need a KIVI-aware scoring kernel, which does not exist yet (page selection by key bounds "
+                f"does: quest+kivi). Use {policy.name} alone, or kivi alone")
     if evicts_by_group(policy):  # decode evicts key groups; scores from the KIVI kernel's logits (kivi_heavy.py)
         return None
     if issubclass(policy, EvictionRuntime) and (policy.chunk_eviction  # (decode_interval: evicts during decode)
@@ -304,6 +308,8 @@ def compose_kivi(policy: type[SparseMethod]) -> type[SparseMethod]:
         bases = (HeldChunksMixin, KiviStorageMixin, GroupEvictionMixin, policy)
     elif getattr(policy, "compacts_after_scoring", False):  # its prompt held in full precision until the compaction
         bases = (ScoredPromptMixin, KiviStorageMixin, policy)
+    elif getattr(policy, "selects_by_key_bounds", False):  # pages chosen by the key groups' ranges (kivi_select.py)
+        bases = (KeyBoundsOverQuantizedPages, KiviStorageMixin, policy)
     return type(f"{policy.__name__}Kivi", bases, {
         "__doc__": f"``{name}``: {policy.name} decides which tokens stay, KIVI stores them.", "__module__": __name__,
         "name": name, "config_class": config, "prefill_mode": mode})

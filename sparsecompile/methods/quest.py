@@ -113,6 +113,9 @@ class QuestRuntime(CountsReads, DenseReadOfShortBatches, SparseMethod):
     config_class = QuestConfig
     replays_mixed_steps = True  # device-only hooks; per-row buffers sized by the pool (mixed_graphs.py)
     decode_reads_everything = False  # a budget of the context, once it is longer
+    #: its selection needs per-page key bounds only: over KIVI storage they come from the quantized keys' own ranges
+    #: (``quest+kivi``, ``methods/kivi_select.py``)
+    selects_by_key_bounds = True
 
     def __init__(self, config: QuestConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
@@ -140,8 +143,11 @@ class QuestRuntime(CountsReads, DenseReadOfShortBatches, SparseMethod):
     def setup(self, manager: CacheManager) -> None:
         layout = manager.layout
         self._check_layout(layout)
-        manager.track_key_bounds(KMIN, KMAX)
+        self._track_key_bounds(manager)
         self._set_dense_threshold(self.config.dense_below, layout)
+
+    def _track_key_bounds(self, manager: CacheManager) -> None:
+        manager.track_key_bounds(KMIN, KMAX)
 
     def on_kv_loaded(self, manager: CacheManager, rows: list[int], prompt_lengths: list[int]) -> None:
         self._rebuild_summaries(manager, rows)

@@ -65,11 +65,11 @@ class ReadCounter:
             (self._dense.update if step.variant == DENSE else self._dense.difference_update)(step.row_ids)
 
     def record(self, ctx: LayerContext) -> None:
-        """Device hook (``on_attention_end``): store ``view.lengths [batch, kv_heads]`` summed over heads (a dense
+        """Device hook (``on_attention_end``): store ``view.slots_read [batch, kv_heads]`` summed over heads (a dense
         step stores nothing)."""
         if ctx.step.variant == DENSE or ctx.step.is_prefill or ctx.view is None or self.read is None:
             return
-        self.read[ctx.step.rows, ctx.layer] = ctx.view.lengths.sum(dim=1).to(torch.int64)
+        self.read[ctx.step.rows, ctx.layer] = ctx.view.slots_read.sum(dim=1).to(torch.int64)
 
     def fork(self, manager: CacheManager, sources: list[int], forks: list[int]) -> None:
         """``forks[i]`` holds what ``sources[i]`` holds: it read what its source read in its last step."""

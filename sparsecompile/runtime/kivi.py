@@ -46,7 +46,7 @@ from .compilation import page_indexed, static_address
 from .host import to_device
 from .kivi_deferred import DeferredCommits
 from .kivi_spec import KiviSpec
-from .view import AttentionView
+from .view import AttentionView, PageSelection
 
 if TYPE_CHECKING:
     from .step import StepState
@@ -64,17 +64,30 @@ class QuantizedKV:
     ring_rows: torch.Tensor  # [batch] ring row of each sequence for this layer
     quantized: torch.Tensor  # [batch] leading slots in pages
     dense_history: bool = False  # KiviSpec.dense_history: the quantized slots hold every oldest token, none empty
+    #: a selection over the quantized slots (``KiviStorage.view`` with a PageSelection): the pages read, ``[batch,
+    #: kv_heads, k]`` pool ids, and their slots ``[batch]``, in place of ``[0, quantized)``; the residual stays read
+    quant_index: torch.Tensor | None = None
+    quant_count: torch.Tensor | None = None
 
     def decode_attention(self, query: torch.Tensor, view: AttentionView, q_positions: torch.Tensor, scale: float,
                          sliding_window: int) -> torch.Tensor:
         return kivi_decode_attention(query, *self.tensors, view.pos_pool, self.ring_k, self.ring_v, self.ring_rows,
                                      view.index, view.lengths, self.quantized, q_positions, scale, sliding_window,
-                                     self.dense_history)
+                                     self.dense_history, self.quant_index, self.quant_count)
+
+    def slots_read(self, view: AttentionView) -> torch.Tensor:
+        """``[batch, kv_heads]`` slots the attention reads: the selection's and the residual, or the whole list."""
+        if self.quant_count is None:
+            return view.lengths
+        return view.lengths - (self.quantized - self.quant_count)[:, None].to(view.lengths.dtype)
 
     def decode_attention_logits(self, query: torch.Tensor, view: AttentionView, q_positions: torch.Tensor,
                                 scale: float, sliding_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The output plus each query's log-sum-exp ``[batch, q_heads, 1]`` and logits per view position ``[batch,
-        q_heads, pages * P]`` (a method that scores decode steps by attention probabilities: H2O)."""
+        q_heads, pages * P]`` (a method that scores decode steps by attention probabilities: H2O; not over a
+        selection)."""
+        if self.quant_index is not None:
+            raise ValueError("kivi: a selection over the quantized slots has no per-slot logits")
         return kivi_decode_attention_logits(query, *self.tensors, view.pos_pool, self.ring_k, self.ring_v,
                                             self.ring_rows, view.index, view.lengths, self.quantized, q_positions,
                                             scale, sliding_window)
@@ -118,6 +131,12 @@ class KiviStorage(DeferredCommits):
 
     def page_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.kcode, self.vcode, self.kscale, self.kzero, self.vscale, self.vzero)
+
+    def key_ranges(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What bounds the quantized keys, for selection by key bounds (Quest over KIVI pages): zeros and scales
+        ``[pages, kv_heads, P / G, D]`` and the largest code; a group's channel ``c`` spans ``[zero_c, zero_c + levels
+        * scale_c]``, its minimum and maximum (the group's own extremes, quantized to codes 0 and ``levels``)."""
+        return self.kzero, self.kscale, 2 ** self.spec.bits - 1
 
     @property
     def row_bytes(self) -> int:
@@ -246,9 +265,12 @@ class KiviStorage(DeferredCommits):
         self.ring_k[ring, :, idx] = key.transpose(1, 2).to(self.ring_k.dtype)
         self.ring_v[ring, :, idx] = value.transpose(1, 2).to(self.ring_v.dtype)
 
-    def view(self, layer: int, step: StepState, max_slots: int | None = None) -> AttentionView:
+    def view(self, layer: int, step: StepState, max_slots: int | None = None,
+             selection: PageSelection | None = None) -> AttentionView:
         """The layer's view for this step; decode views cover the first ``max_slots`` slots' pages (None: the whole
-        table; ``SparseMethod.decode_slot_bound``)."""
+        table; ``SparseMethod.decode_slot_bound``). A decode ``selection`` names row-local pages of the quantized
+        slots to read (``pages [batch, kv_heads, k]``, -1 padded; ``tokens [batch, kv_heads]`` their slots, the same
+        in every head) in place of all of them; the residual is read as ever."""
         m = self.manager
         H, P = m.layout.num_kv_heads, m.layout.page_size
         rows = step.rows
@@ -256,8 +278,15 @@ class KiviStorage(DeferredCommits):
         if step.is_prefill:
             return self._materialize(layer, step)
         table = m.block_table[rows, m.layer_key(layer)][:, : None if max_slots is None else -(-max_slots // P)]
+        picked: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if selection is not None:
+            if not isinstance(selection, PageSelection):
+                raise TypeError(f"kivi: a decode selection over quantized pages is a PageSelection, got "
+                                f"{type(selection).__name__}")
+            pages = torch.gather(table[:, None, :].expand(-1, H, -1), 2, selection.pages.clamp(min=0))
+            picked = (pages.to(torch.int32), selection.tokens[:, 0].long())
         quant = QuantizedKV(self.page_tensors(), self.ring_k, self.ring_v, self._ring_rows(layer, rows),
-                            self.spec.quantized(lengths.long() - step.num_new), self.spec.dense_history)
+                            self.spec.quantized(lengths.long() - step.num_new), self.spec.dense_history, *picked)
         return AttentionView(None, None, m.pos_pool, table[:, None, :].expand(-1, H, -1),
                              lengths[:, None].expand(-1, H), P, quant)
 

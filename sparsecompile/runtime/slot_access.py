@@ -152,9 +152,9 @@ class SlotAccess:
         H, P = self.layout.num_kv_heads, self.layout.page_size
         rows = step.rows
         if self.storage is not None:
-            if selection is not None:
-                raise TypeError("a KIVI-stored cache has no logical selection (selection methods are refused)")
-            return self.storage.view(layer, step, max_slots)
+            if selection is not None and step.is_prefill:
+                raise TypeError("a KIVI-stored cache selects only in decode (its prefill views are full precision)")
+            return self.storage.view(layer, step, max_slots, selection)
         width = None if max_slots is None else -(-max_slots // P)  # table entries (None: all)
         plan = step.slot_plan
         if selection is None and plan is not None:

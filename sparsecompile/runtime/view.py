@@ -36,6 +36,12 @@ class AttentionView:
     quant: Any = None
     pool_pages: torch.Tensor | None = None
 
+    @property
+    def slots_read(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` slots the attention reads (a quantized view's selection may read fewer than
+        ``lengths``)."""
+        return self.lengths if self.quant is None else self.quant.slots_read(self)
+
 
 @dataclass
 class SlotSelection:

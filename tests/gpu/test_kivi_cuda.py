@@ -46,20 +46,10 @@ def test_quantize_triton_equals_reference(bits, scale_dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
-@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
-def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
-    """bf16 scales: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
-    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
-    the first page are skipped."""
-    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
-    from sparsecompile.kernels.kivi_gluon import gluon_supported
+def _decode_case(bits, context, batch, scale_dtype, window):
+    """The op's arguments over ``batch`` lists of ``context`` slots (the 8B attention shape, bf16; quantized up to
+    the last 128-159 slots, pages in random order, holes in each list's first page), the block table and positions."""
     from sparsecompile.kernels.kivi_quant import kivi_quantize_triton
-    from sparsecompile.kernels.kivi_reference import (
-        kivi_decode_attention_logits_reference,
-        kivi_decode_attention_reference,
-    )
 
     g = torch.Generator(device="cuda").manual_seed(context + bits)
     per_seq = -(-context // PAGE)
@@ -86,6 +76,25 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
     args = (query, *pages, pos, ring_k, ring_v, torch.arange(batch, device="cuda"), index, lengths,
             torch.full((batch,), quant, device="cuda"), torch.full((batch, 1), context, device="cuda"),
             DIM ** -0.5, window)
+    return args, table, pos
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 1)])
+@pytest.mark.parametrize("scale_dtype,window", [(torch.float16, 0), (torch.bfloat16, 0), (torch.bfloat16, 1000)])
+def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype, window):
+    """bf16 scales: the Gluon kernel's quantized part (``kivi_gluon.py``) beside the Triton kernel's
+    residual; a sliding window masks whole splits of it (their log-sum-exp -inf), and holes (position -1) in
+    the first page are skipped."""
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_gluon import gluon_supported
+    from sparsecompile.kernels.kivi_reference import (
+        kivi_decode_attention_logits_reference,
+        kivi_decode_attention_reference,
+    )
+
+    args, table, pos = _decode_case(bits, context, batch, scale_dtype, window)
+    query = args[0]
     want = kivi_decode_attention_reference(*args)
     gluon = gluon_supported(query, bits, 32, DIM, PAGE, GROUP_Q, scale_dtype)
     assert gluon == (scale_dtype == torch.bfloat16 and torch.cuda.get_device_capability() == (9, 0))
@@ -118,6 +127,36 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
         torch.testing.assert_close((logits - lse).exp(), (logits_ref - lse_ref).exp(), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("context,batch", [(4096, 4), (33000, 2)])
+def test_decode_attention_over_a_selection_vs_reference(bits, context, batch):
+    """Quest over KIVI pages (``quest+kivi``): the quantized splits (the Gluon kernel with bf16 scales, the Triton
+    kernel with fp16 ones or when forced) over 64 pages a head chosen at random among each list's quantized ones,
+    the ring's blocks over the residual; with and without positions (``dense_history``)."""
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+    from sparsecompile.kernels.kivi_reference import kivi_decode_attention_reference
+
+    for scale_dtype in (torch.bfloat16, torch.float16):
+        args, table, pos = _decode_case(bits, context, batch, scale_dtype, 0)
+        full = int(args[13][0]) // PAGE
+        g = torch.Generator(device="cuda").manual_seed(bits)
+        chosen = torch.rand(batch, HEADS, full, device="cuda", generator=g).argsort(-1)[..., :64].sort(-1).values
+        pick = torch.gather(table[:, None, :].expand(-1, HEADS, -1), 2, chosen).to(torch.int32)
+        count = torch.full((batch,), 64 * PAGE, device="cuda")
+        want = kivi_decode_attention_reference(*args, quant_index=pick, quant_count=count)
+        for splits in (None, 3):
+            got = kivi_decode_attention_triton(*args, False, pick, count, num_splits=splits)
+            torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        dense = pos.clone()
+        for b in range(batch):  # no holes: every quantized slot visible, as under quest+kivi
+            dense[table[b, 0].long(), :, 3:7] = torch.arange(3, 7, device="cuda", dtype=torch.int32)
+        whole = (*args[:7], dense, *args[8:])
+        got = torch.ops.sparsecompile.kivi_decode_attention(*whole, True, pick, count)
+        assert torch.equal(got, kivi_decode_attention_triton(*whole, False, pick, count))
+        torch.testing.assert_close(got.float(), kivi_decode_attention_reference(
+            *whole, quant_index=pick, quant_count=count).float(), atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("method,options", [("kivi", dict(bits=2, residual=32)),
                                             ("kivi", dict(bits=4, residual=0, scale_dtype="bfloat16")),
                                             ("snapkv+kivi", dict(budget=96, window=8, bits=2, residual=32)),
@@ -127,7 +166,11 @@ def test_decode_attention_triton_vs_reference(bits, context, batch, scale_dtype,
                                             ("kvzip+kivi", dict(budget=96, chunk=64, bits=2, residual=32)),
                                             # a 32-slot key group a head leaves after 32 decode tokens; the step
                                             # writes its logits for H2O's scores
-                                            ("h2o+kivi", dict(budget=96, recent=32, bits=2, residual=32))])
+                                            ("h2o+kivi", dict(budget=96, recent=32, bits=2, residual=32)),
+                                            # 2 of 3-5 quantized pages a head chosen every step (Quest's scores from
+                                            # the key groups' ranges)
+                                            ("quest+kivi", dict(budget=128, dense_layers=0, dense_below=0, bits=2,
+                                                                residual=32))])
 def test_kivi_decode_with_cuda_graphs_equals_eager(method, options):
     from tiny_models import left_padded_batch, tiny_config
     from torch._dynamo.utils import counters
