@@ -81,6 +81,9 @@
 # dense_history (the step with it: vanilla + kivi2, and the engine's KIVI GPU tests, never run with it; on an H100:
 # TESTS_ONLY=1); #18 if the two-GPU kind is lent; for #20 the step needs ~0.4-0.7 ms more: fewer ALU instructions a
 # code in the Gluon kernel, or faster small GEMMs (q/k/v and o at 54-67 % of bandwidth).
+# 2026-12-05 twenty-seventh session: no device lent (paused). Built quest+kivi on the CPU (Quest's page selection
+# over KIVI pages, the bounds from the key groups' ranges; the KIVI op reads a selection). Next, first: dense_history
+# (as planned last time), then quest_kivi (its GPU tests and 128K x 4 point; nothing of it has run on a GPU).
 # 2026-12-05 twenty-fifth session: one failed start, then an H200: qshared (the query operands in shared memory:
 # 122-126 registers, slower at every point, 131.2 -> 166.9 us at 128K x 4; kivi2 436.0 -> 383.9 tok/s; not applied,
 # kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
@@ -1150,6 +1153,18 @@ dense_history)  # #20 (2026-12-05 twenty-sixth session) kivi alone's decode read
   timeout -s INT "${TESTS_S:-170}" $P tests/gpu/test_kivi_cuda.py -k "equals_eager or (triton_vs_reference and 4096)" \
     > "$OUT/gpu_tests_kivi_dense_history_h200.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_kivi_dense_history_h200.log" | tail -8 ;;
+quest_kivi)  # #20 (2026-12-05 twenty-seventh session, written with no device lent) quest+kivi: the op over a selection of
+  # quantized pages at the 8B shape (Gluon / Triton), its CUDA-graph decode against eager, Quest's own GPU tests (the
+  # scores kernel's new LEVELS / NG constexprs), then kivi2 and quest+kivi at 128K x 4 in one process (both fit an
+  # H100; QUEST=1 adds quest alone, 64 GiB of bf16 K/V: an H200) (~6 min)
+  timeout -s INT "${TESTS_S:-200}" $P tests/gpu/test_kivi_cuda.py tests/gpu/test_selection_cuda.py \
+    -k "over_a_selection or quest" > "$OUT/gpu_tests_quest_kivi.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_quest_kivi.log" | tail -8
+  timeout -s INT 200 python3 benchmarks/kivi_bench.py --stage points \
+    --points "kivi2:131072x4,quest+kivi:131072x4${QUEST:+,quest:131072x4}" \
+    --out "$OUT/kivi_points_quest_kivi.jsonl" > "$OUT/points.log" 2>&1
+  echo "points rc=$?"; grep -o '"method": "[a-z0-9+]*".*"tok_s": [0-9.]*, "step_ms": [0-9.]*' \
+    "$OUT/kivi_points_quest_kivi.jsonl" | sed 's/"context.*"tok_s"/ "tok_s"/' ;;
 all_visible)  # #20 (2026-12-05 twenty-sixth session) the Gluon kernel without positions (no position copy, no
   # visibility compares: every quantized slot visible, as for plain kivi without a window: no holes, and the quantized
   # slots precede every query) against the package, on the A/B's inputs (no holes, no window: bit-equal expected);

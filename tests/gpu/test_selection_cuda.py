@@ -26,6 +26,14 @@ def test_quest_and_omnikv_scores_triton_vs_reference(dtype):
     num = torch.tensor([512, 300, 1], device="cuda")
     want = quest_page_scores_reference(query, kmin, kmax, pages, num)
     torch.testing.assert_close(quest_page_scores_triton(query, kmin, kmax, pages, num), want, atol=1e-2, rtol=1e-3)
+    if dtype == torch.bfloat16:  # quest+kivi's bounds from KIVI key groups' zeros and scales (one and two a page),
+        # computed in fp32 and rounded once to the metadata's dtype before the products: Quest's scores of those
+        for groups in (1, 2):
+            zero = torch.randn(pool, heads, groups, dim, device="cuda", generator=g).to(dtype)
+            step = (torch.rand(pool, heads, groups, dim, device="cuda", generator=g) / 3).to(dtype)
+            lo, hi = zero.amin(2), (zero.float() + 3 * step.float()).amax(2).to(dtype)
+            torch.testing.assert_close(quest_page_scores_triton(query, zero, step, pages, num, levels=3),
+                                       quest_page_scores_reference(query, lo, hi, pages, num), atol=1e-2, rtol=1e-3)
     k_pool = torch.randn(pool, heads, page, dim, device="cuda", generator=g).to(dtype)
     limit = torch.tensor([8000, 4000, 5], device="cuda")
     want = omnikv_scores_reference(query, k_pool, pages, limit)
