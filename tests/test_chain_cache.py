@@ -28,6 +28,8 @@ EVICTING = {  # budgets below the conversations' lengths: every turn compresses 
     "h2o": {"budget": 20},
     "streamingllm": {"budget": 20, "sinks": 2},
     "snapkv+kivi": {"budget": 20, "window": 4, "group_size": 16, "residual": 16},  # a chain keeps its residual ring
+    # nothing evicted, but quantized, and each decode step reads the pages its scores pick (residual + one page)
+    "quest+kivi": {"budget": 48, "dense_layers": 0, "dense_below": 0, "group_size": 16, "residual": 16},
 }
 SELECTING = {"vanilla": {}, "quest": {"budget": 16, "dense_layers": 0, "dense_below": 0},
              "omnikv": {"budget": 12, "filter_layers": "0", "dense_below": 0}}

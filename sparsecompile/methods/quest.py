@@ -30,6 +30,10 @@ Dense read of short batches (``dense_below``; not in the reference, which always
     equals ``vanilla``'s, 0.94x at 16K x 1, 0.985x at 8K x 4, 1.06x at 48K x 1, 1.13x at 16K x 4;
     ``benchmarks/results/decode_h200_quest_rule.jsonl``). An exported artifact's decode program runs the ``sparse``
     variant at every length; ``warmup(programs=True)`` precompiles a decode program per variant.
+
+Over KIVI storage (``quest+kivi``, ``methods/kivi_select.py``)
+    The pages are KIVI pages, their bounds the quantized key groups' own ranges (no ``quest_kmin / quest_kmax``), and
+    the residual stands in for the current page.
 """
 
 from __future__ import annotations
