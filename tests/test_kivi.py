@@ -149,7 +149,7 @@ def test_decode_tells_the_kernel_whether_the_quantized_history_is_dense(monkeypa
     """``kivi`` alone keeps every token, so each decode call of the attention op passes ``dense_history`` (the GPU
     kernel then reads no positions for the quantized slots); a composition's kept tokens may leave empty slots, so
     its calls do not."""
-    import sparsecompile.runtime.kivi as storage
+    import sparsecompile.runtime.kivi_view as storage
 
     seen, op = [], storage.kivi_decode_attention
     # dense_history: the op's 18th argument (after sliding_window)
