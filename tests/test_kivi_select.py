@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kivi import KV_HEADS, LAYERS, Q_HEADS, expected_state, make, run
-from tiny_models import left_padded_batch, tiny_pair
+from tiny_models import left_padded_batch, tiny_config, tiny_pair
 
 import sparsecompile
 from sparsecompile.config import MethodConfigError
@@ -97,7 +97,7 @@ def test_resident_bytes_are_kivis_and_reads_stay_within_the_budget():
     quest, kivi = stats["quest+kivi"], stats["kivi"]
     assert [layer.resident_bytes for layer in quest.layers] == [layer.resident_bytes for layer in kivi.layers]
     assert quest.metadata_bytes == 0  # no key bounds of its own: the groups' scales and zeros are the bounds
-    rows, heads = 2, tiny_pair("qwen2", num_hidden_layers=3)[0].config.num_key_value_heads
+    rows, heads = 2, tiny_config("qwen2").num_key_value_heads
     assert quest.layers[0].tokens_read == quest.layers[0].resident_tokens  # dense_layers=1
     for layer in quest.layers[1:]:
         assert layer.tokens_read <= rows * heads * 32 < layer.resident_tokens
