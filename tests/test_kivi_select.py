@@ -12,6 +12,7 @@ from tiny_models import left_padded_batch, tiny_config, tiny_pair
 
 import sparsecompile
 from sparsecompile.config import MethodConfigError
+from sparsecompile.kernels.library import triton_available
 from sparsecompile.methods import method_class
 
 GQA = Q_HEADS // KV_HEADS
@@ -113,3 +114,29 @@ def test_options_and_refusals():
     with pytest.raises(MethodConfigError, match="scoring the dense pool's keys.*quest\\+kivi"):
         method_class("omnikv+kivi")
     assert "quest+kivi" in sparsecompile.available_methods()
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_decode_through_the_triton_kernels_equals_the_reference(monkeypatch):
+    """The engine's selections through the CUDA launcher (the Triton kernels under the interpreter, fp32; the Gluon
+    kernel needs an sm_90 GPU: tests/gpu/test_kivi_cuda.py): head dim 64 (the kernels' chunks), pages of two key
+    groups (the boundary page read beside the chosen ones); the same tokens and logits as the torch reference."""
+    import sparsecompile.runtime.kivi_view as view
+    from sparsecompile.kernels.kivi_attention import kivi_decode_attention_triton
+
+    ids, mask = left_padded_batch((70, 41), seed=3)
+    runs, selected = [], []
+    for launch in (None, kivi_decode_attention_triton):
+        if launch is not None:
+            monkeypatch.setattr(view, "kivi_decode_attention",
+                                lambda *args, run=launch: selected.append(args[18] is not None) or run(*args))
+        _, model = tiny_pair("llama", seed=2, head_dim=64, hidden_size=256, num_attention_heads=4,
+                             num_key_value_heads=2)
+        sparsecompile.optimize(model, "quest+kivi", budget=64, dense_layers=0, dense_below=0, bits=2, group_size=16,
+                               residual=16, page_size=32)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        runs.append((out.sequences, torch.stack(out.scores)))
+    assert selected and all(selected)  # every decode call read a selection (dense_layers=0, dense_below=0)
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
