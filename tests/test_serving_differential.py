@@ -8,7 +8,8 @@ prompt alone, then replay the output as decode steps (``SparseMethod.recomputes_
 prompt + output re-prefilled as one prompt gave Quest under its budget other tokens, which an eviction method also
 compresses as a new prompt, and that prefill could need more than the whole pool). Fuzzed on 2026-12-04 (fifteenth
 session) with 10 seeds for vanilla, snapkv, snapkv+kivi, quest, omnikv, pyramidkv, streamingllm, kvzip, h2o and
-h2o+kivi on a large pool and vanilla, quest, omnikv and kivi on a preempting one: no difference. With chunks split by
+h2o+kivi on a large pool and vanilla, quest, omnikv and kivi on a preempting one: no difference (quest+kivi, 2026-12-05:
+seeds 0-5 at both step budgets, preempting at 0, 1 and 5). With chunks split by
 the step budget, ``kivi`` gave other tokens until it became ALIGNED (sixteenth session: a chunk reads the groups
 earlier chunks left quantized)"""
 
@@ -24,7 +25,9 @@ from sparsecompile import LLM, SamplingParams
 CASES = {"vanilla": ({}, 40), "kivi": ({"residual": 8, "group_size": 4}, 40),
          "snapkv+kivi": ({"budget": 24, "window": 4, "residual": 8, "group_size": 4}, 200),
          "h2o+kivi": ({"budget": 24, "residual": 8, "group_size": 4}, 24),
-         "snapkv": ({"budget": 24, "window": 4}, 24), "quest": ({"budget": 8, "dense_layers": 0, "dense_below": 0}, 40)}
+         "snapkv": ({"budget": 24, "window": 4}, 24), "quest": ({"budget": 8, "dense_layers": 0, "dense_below": 0}, 40),
+         # the residual (8-12 slots read) and 1-2 chosen pages of one group a step
+         "quest+kivi": ({"budget": 16, "dense_layers": 0, "dense_below": 0, "residual": 8, "group_size": 4}, 40)}
 
 
 def _engine(method: str, pages: int, seqs: int, budget: int = 64):
@@ -42,7 +45,8 @@ def _finish(engine, outs: dict) -> None:
 
 @pytest.mark.parametrize("method, seed, budget", [("vanilla", 0, 64), ("vanilla", 1, 64), ("kivi", 0, 64),
                                                   ("snapkv+kivi", 2, 64), ("h2o+kivi", 3, 64), ("kivi", 8, 11),
-                                                  ("snapkv", 1, 64), ("quest", 0, 64)])
+                                                  ("snapkv", 1, 64), ("quest", 0, 64), ("quest+kivi", 0, 64),
+                                                  ("quest+kivi", 1, 11)])
 def test_batched_requests_get_their_solo_tokens(method: str, seed: int, budget: int) -> None:
     """``budget`` 11: the step's decodes and chunks of 8 leave remainders that would split a chunk."""
     rng = np.random.default_rng(seed)
