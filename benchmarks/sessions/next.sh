@@ -81,9 +81,12 @@
 # dense_history (the step with it: vanilla + kivi2, and the engine's KIVI GPU tests, never run with it; on an H100:
 # TESTS_ONLY=1); #18 if the two-GPU kind is lent; for #20 the step needs ~0.4-0.7 ms more: fewer ALU instructions a
 # code in the Gluon kernel, or faster small GEMMs (q/k/v and o at 54-67 % of bandwidth).
-# 2026-12-05 twenty-seventh session: no device lent (paused). Built quest+kivi on the CPU (Quest's page selection
-# over KIVI pages, the bounds from the key groups' ranges; the KIVI op reads a selection). Next, first: dense_history
-# (as planned last time), then quest_kivi (its GPU tests and 128K x 4 point; nothing of it has run on a GPU).
+# 2026-12-05 twenty-seventh session: paused most of the session; built quest+kivi on the CPU (Quest's page selection
+# over KIVI pages, the bounds from the key groups' ranges; the KIVI op reads a selection). Late: two failed H200
+# starts; on an H100: quest_kivi (9 GPU tests passed; quest+kivi 479.5 vs kivi2 362.2 tok/s at 128K x 4),
+# TESTS_ONLY=1 dense_history (13 passed), test_kivi_cuda + test_mixed_cuda (35 passed), test_selection_cuda (24),
+# a quest+kivi profile, the dense_history step A/B (355.5 -> 361.9 tok/s, sessions/dense_history_step_ab.py).
+# Next, first: dense_history on an H200 (vanilla + kivi2 at 128K x 4), then QUEST=1 quest_kivi.
 # 2026-12-05 twenty-fifth session: one failed start, then an H200: qshared (the query operands in shared memory:
 # 122-126 registers, slower at every point, 131.2 -> 166.9 us at 128K x 4; kivi2 436.0 -> 383.9 tok/s; not applied,
 # kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
