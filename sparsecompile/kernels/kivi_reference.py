@@ -30,10 +30,7 @@ def kivi_view_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, r
     v = v.flatten(2, 3)[:, :, :span]
     pos = pos_pool[pages, head].flatten(2, 3)[:, :, :span].long()
     j = torch.arange(span, device=index.device)
-    ring_idx = (j % ring_k.shape[2])[None, None, :].expand(batch, heads, -1)
-    rows = ring_rows.long()[:, None, None].expand_as(ring_idx)
-    rk = ring_k[rows, head.expand_as(ring_idx), ring_idx].float()
-    rv = ring_v[rows, head.expand_as(ring_idx), ring_idx].float()
+    rk, rv = _ring_floats(ring_k, ring_v, ring_rows, j[None, :].expand(batch, -1), heads)
     in_ring = (j[None, :] >= quantized.long()[:, None])[:, None, :, None]
     valid = j[None, None, :] < lengths.long()[..., None]
     return (torch.where(in_ring, rk, k), torch.where(in_ring, rv, v), torch.where(valid, pos, -1), valid)
@@ -57,12 +54,18 @@ def kivi_selected_kv(kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_
     at = torch.where(live, slot[:, None, :], 0)
     page = torch.gather(index.long(), 2, at // page_size)
     rpos = pos_pool[page, head, at % page_size].long()
-    rows = ring_rows.long()[:, None, None].expand(batch, heads, ring)
-    ridx = (slot % ring)[:, None, :].expand(batch, heads, ring)
-    rk = ring_k[rows, head.expand_as(ridx), ridx].float()
-    rv = ring_v[rows, head.expand_as(ridx), ridx].float()
+    rk, rv = _ring_floats(ring_k, ring_v, ring_rows, slot, heads)
     return (torch.cat([k, rk], 2), torch.cat([v, rv], 2), torch.cat([pos, torch.where(live, rpos, -1)], 2),
             torch.cat([valid, live], 2))
+
+
+def _ring_floats(ring_k, ring_v, ring_rows, slots: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V ``[batch, heads, n, D]`` fp32 the ring holds for row-local ``slots [batch, n]`` (at ``slot % RING`` of
+    each sequence's ring row)."""
+    idx = (slots % ring_k.shape[2])[:, None, :].expand(-1, heads, -1)
+    rows = ring_rows.long()[:, None, None].expand_as(idx)
+    head = torch.arange(heads, device=slots.device)[None, :, None].expand_as(idx)
+    return ring_k[rows, head, idx].float(), ring_v[rows, head, idx].float()
 
 
 def _reference_logits(query, kcode, vcode, kscale, kzero, vscale, vzero, pos_pool, ring_k, ring_v, ring_rows, index,

@@ -172,10 +172,13 @@ class KiviStorageMixin:
     # sank past the write, which then copied every page tensor once per layer: lifecycle order keeps the commit in
     # place (decode steps at 128K x 4 on the H200: 230 ms before, 30 ms after).
     reads_pool_across_layers = True
+    #: Every token stays, in order (``kivi`` alone, ``quest+kivi``): each list's quantized slots are its oldest
+    #: tokens, none of them empty (:attr:`.KiviSpec.dense_history`, which lets decode skip their positions).
+    dense_history: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, model: ModelInfo) -> None:
         super().__init__(config, model)
-        self.storage = config.kivi_spec()
+        self.storage = replace(config.kivi_spec(), dense_history=self.dense_history)
         check_geometry(self.name, self.storage, model)
 
     def memory_oracle(self, layout: KVLayout) -> MemoryOracle:
@@ -233,11 +236,7 @@ class KiviRuntime(KiviStorageMixin, SparseMethod):
     #: a prompt chunk reads the groups that earlier chunks left quantized, so where chunks end changes what it reads:
     #: the serving engine feeds generate()'s chunks whatever else is batched
     prefill_mode = PrefillMode.ALIGNED
-
-    def __init__(self, config: KiviConfig, model: ModelInfo) -> None:
-        super().__init__(config, model)
-        # every token stays: the quantized slots are each list's oldest tokens, with no empty slot among them
-        self.storage = replace(self.storage, dense_history=True)
+    dense_history = True  # every token stays
 
 
 # ---------------------------------------------------------------------------------------------------- composition

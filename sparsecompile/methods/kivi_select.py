@@ -26,7 +26,6 @@ most the residual and the boundary page can hold: ``budget >= residual + group_s
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,10 +44,7 @@ class KeyBoundsOverQuantizedPages:
     """Placed before :class:`~.kivi.KiviStorageMixin` for a policy with ``selects_by_key_bounds`` (Quest): its
     ``_select`` over KIVI pages (module docstring), no key bounds of its own."""
 
-    def __init__(self, config, model) -> None:
-        super().__init__(config, model)
-        # every token stays, in order: the quantized slots hold each list's oldest tokens (KiviSpec.dense_history)
-        self.storage = replace(self.storage, dense_history=True)
+    dense_history = True  # every token stays, in order (KiviStorageMixin.dense_history)
 
     def _track_key_bounds(self, manager: CacheManager) -> None:
         """None: the KIVI key groups' scales and zeros bound the keys."""

@@ -243,8 +243,7 @@ class KiviStorage(DeferredCommits):
             if not isinstance(selection, PageSelection):
                 raise TypeError(f"kivi: a decode selection over quantized pages is a PageSelection, got "
                                 f"{type(selection).__name__}")
-            pages = torch.gather(table[:, None, :].expand(-1, H, -1), 2, selection.pages.clamp(min=0))
-            picked = (pages.to(torch.int32), selection.tokens[:, 0].long())
+            picked = (selection.pool_pages(table), selection.tokens[:, 0].long())
         quant = QuantizedKV(self.page_tensors(), self.ring_k, self.ring_v, self._ring_rows(layer, rows),
                             self.spec.quantized(lengths.long() - step.num_new), self.spec.dense_history, *picked)
         return AttentionView(None, None, m.pos_pool, table[:, None, :].expand(-1, H, -1),

@@ -17,8 +17,8 @@ class KiviSpec:
     group_size: int = 32
     residual: int = 128
     scale_dtype: torch.dtype | None = None  # None: "auto" (:meth:`for_model_dtype`)
-    #: Set by a method that keeps every token (``kivi`` alone; not a user option): a list's quantized slots are then
-    #: its oldest tokens, none of them empty, all before the step's queries (positions grow with slots, as
+    #: Set by a method that keeps every token (``kivi``, ``quest+kivi``; not a user option): a list's quantized slots
+    #: are then its oldest tokens, none of them empty, all before the step's queries (positions grow with slots, as
     #: ``generate()`` and the serving engine give them), and decode attention without a sliding window reads no
     #: positions for them (``kivi_decode_attention``'s ``dense_history``).
     dense_history: bool = False

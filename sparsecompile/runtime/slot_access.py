@@ -166,8 +166,7 @@ class SlotAccess:
             lengths = self.lengths[rows, self.layer_key(layer)][:, None].expand(-1, H)
             return AttentionView(self.k_pool, self.v_pool, self.pos_pool, index, lengths, P)
         if isinstance(selection, PageSelection):
-            pages = torch.gather(table[:, None, :].expand(-1, H, -1), 2, selection.pages.clamp(min=0))
-            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, pages.to(torch.int32),
+            return AttentionView(self.k_pool, self.v_pool, self.pos_pool, selection.pool_pages(table),
                                  selection.tokens.to(torch.int32), P)
         if isinstance(selection, SlotSelection):
             # One list for every head (OmniKV's, expanded): map it once. Mapped per head, OmniKV's capacity-wide

@@ -68,5 +68,11 @@ class PageSelection:
     pages: torch.Tensor
     tokens: torch.Tensor
 
+    def pool_pages(self, table: torch.Tensor) -> torch.Tensor:
+        """The pool pages of :attr:`pages` through the block-table rows ``table [batch, max_pages]``: ``[batch,
+        kv_heads, k]`` int32 (padding entries name the row's first page)."""
+        heads = self.pages.shape[1]
+        return torch.gather(table[:, None, :].expand(-1, heads, -1), 2, self.pages.clamp(min=0)).to(torch.int32)
+
 
 Selection = SlotSelection | PageSelection | None
