@@ -63,6 +63,7 @@ METHOD_OPTIONS = {
     "h2o+kivi": {"budget": 2048, "bits": 2},
     "snapkv+kivi-r32": {"method": "snapkv+kivi", "budget": 2048, "bits": 2, "residual": 32},
     "quest+kivi": {"budget": 2048, "bits": 2},
+    "quest+kivi-select": {"method": "quest+kivi", "budget": 2048, "bits": 2, "dense_below": 0},  # its crossover
 }
 
 

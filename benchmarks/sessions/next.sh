@@ -1168,6 +1168,14 @@ quest_kivi)  # #20 (2026-12-05 twenty-seventh session, written with no device le
     --out "$OUT/kivi_points_quest_kivi.jsonl" > "$OUT/points.log" 2>&1
   echo "points rc=$?"; grep -o '"method": "[a-z0-9+]*".*"tok_s": [0-9.]*, "step_ms": [0-9.]*' \
     "$OUT/kivi_points_quest_kivi.jsonl" | sed 's/"context.*"tok_s"/ "tok_s"/' ;;
+quest_kivi_crossover)  # #20 (2026-12-05 twenty-eighth session) where quest+kivi's selection starts to pay: kivi2
+  # against quest+kivi selecting at every length (dense_below=0) at 8K / 16K / 32K x 4 (quest+kivi's default keeps
+  # Quest's 40,960-token threshold) (~4-6 min)
+  timeout -s INT "${POINTS_S:-420}" python3 benchmarks/kivi_bench.py --stage points --quick --points \
+    "${CROSS_POINTS:-kivi2:8192x4,quest+kivi-select:8192x4,kivi2:16384x4,quest+kivi-select:16384x4,kivi2:32768x4,quest+kivi-select:32768x4}" \
+    --out "$OUT/kivi_points_quest_kivi_crossover.jsonl" > "$OUT/points.log" 2>&1
+  echo "points rc=$?"; grep -o '"method": "[a-z0-9+-]*".*"tok_s": [0-9.]*, "step_ms": [0-9.]*' \
+    "$OUT/kivi_points_quest_kivi_crossover.jsonl" | sed 's/"resident.*"tok_s"/ "tok_s"/' ;;
 all_visible)  # #20 (2026-12-05 twenty-sixth session) the Gluon kernel without positions (no position copy, no
   # visibility compares: every quantized slot visible, as for plain kivi without a window: no holes, and the quantized
   # slots precede every query) against the package, on the A/B's inputs (no holes, no window: bit-equal expected);
