@@ -87,6 +87,9 @@
 # TESTS_ONLY=1 dense_history (13 passed), test_kivi_cuda + test_mixed_cuda (35 passed), test_selection_cuda (24),
 # a quest+kivi profile, the dense_history step A/B (355.5 -> 361.9 tok/s, sessions/dense_history_step_ab.py).
 # Next, first: dense_history on an H200 (vanilla + kivi2 at 128K x 4), then QUEST=1 quest_kivi.
+# 2026-12-05 twenty-eighth session: no machine started (H200 and H100 starts failed all session). #20 resolved with
+# its figures as they stand. Still worth running on an H200: dense_history (the kivi step's ratio with it),
+# QUEST=1 quest_kivi, quest_kivi_crossover (whether quest+kivi should keep Quest's dense_below).
 # 2026-12-05 twenty-fifth session: one failed start, then an H200: qshared (the query operands in shared memory:
 # 122-126 registers, slower at every point, 131.2 -> 166.9 us at 128K x 4; kivi2 436.0 -> 383.9 tok/s; not applied,
 # kivi_q_shared.patch), ring_overlap_tests (26 passed), test_mixed_cuda (8 passed), overlap_small and an interleaved
